@@ -1,0 +1,111 @@
+"""The batch the trainer ranks receive, and its checks.
+
+Every rank of the trainer group receives the same full step batch; the actor itself decides which
+sequences each data-parallel rank works on (see packing.py). Behaviour log-probs always travel with the
+batch: the actor never assumes the data is on-policy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    """A batch of prompt+response sequences.
+
+    input_ids: one 1-D LongTensor per sequence, prompt tokens followed by response tokens.
+    prompt_lens: number of prompt tokens of each sequence (>= 1; the response is the rest, >= 1 token).
+    behav_log_probs: per response token log-prob under the behaviour policy (one 1-D float tensor per
+        sequence, length = response length). Required by train_step; unused by compute_log_probs.
+    advantages: FloatTensor[n] (one value per sequence) or a list of 1-D per-response-token tensors.
+        Required by train_step.
+    """
+
+    input_ids: list[torch.Tensor]
+    prompt_lens: list[int]
+    behav_log_probs: Optional[list[torch.Tensor]] = None
+    advantages: Optional[Union[torch.Tensor, list[torch.Tensor]]] = None
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(t.numel()) for t in self.input_ids]
+
+    @property
+    def response_lens(self) -> list[int]:
+        return [int(t.numel()) - int(p) for t, p in zip(self.input_ids, self.prompt_lens)]
+
+    def token_advantages(self, i: int) -> torch.Tensor:
+        """Advantages of sequence i, one per response token (a per-sequence value is broadcast)."""
+        r = self.response_lens[i]
+        if isinstance(self.advantages, torch.Tensor):
+            return self.advantages[i].float().expand(r)
+        return self.advantages[i].float()
+
+    def select(self, indices: Sequence[int]) -> "TrainBatch":
+        idx = list(indices)
+        adv = self.advantages
+        if isinstance(adv, torch.Tensor):
+            adv = adv[torch.as_tensor(idx, dtype=torch.long)] if idx else adv[:0]
+        elif adv is not None:
+            adv = [adv[i] for i in idx]
+        return TrainBatch(
+            input_ids=[self.input_ids[i] for i in idx],
+            prompt_lens=[int(self.prompt_lens[i]) for i in idx],
+            behav_log_probs=None if self.behav_log_probs is None else [self.behav_log_probs[i] for i in idx],
+            advantages=adv,
+        )
+
+    def validate(self, *, for_training: bool, vocab_size: Optional[int] = None, max_tokens: Optional[int] = None):
+        """Raise ValueError naming the field and the fix; cheap, so it runs before any model work."""
+        n = len(self.input_ids)
+        if n == 0:
+            raise ValueError("TrainBatch.input_ids is empty: pass at least one sequence")
+        if len(self.prompt_lens) != n:
+            raise ValueError(f"TrainBatch.prompt_lens has {len(self.prompt_lens)} entries for {n} sequences")
+        for i, (ids, p) in enumerate(zip(self.input_ids, self.prompt_lens)):
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"TrainBatch.input_ids[{i}] must be a 1-D integer tensor (prompt+response)")
+            if not 1 <= int(p) < ids.numel():
+                raise ValueError(
+                    f"TrainBatch.prompt_lens[{i}]={p} must be in [1, len(input_ids[{i}])-1]={ids.numel() - 1}: "
+                    "every sequence needs a prompt token and at least one response token")
+            if vocab_size is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+                raise ValueError(f"TrainBatch.input_ids[{i}] has token ids outside [0, {vocab_size})")
+            if max_tokens is not None and ids.numel() > max_tokens:
+                raise ValueError(
+                    f"TrainBatch.input_ids[{i}] has {ids.numel()} tokens, more than micro_batch_tokens="
+                    f"{max_tokens}: raise micro_batch_tokens to at least the longest prompt+response")
+        if not for_training:
+            return
+        rl = self.response_lens
+        if self.behav_log_probs is None:
+            raise ValueError("TrainBatch.behav_log_probs is required for train_step (per response token)")
+        if len(self.behav_log_probs) != n:
+            raise ValueError(f"TrainBatch.behav_log_probs has {len(self.behav_log_probs)} entries for {n} sequences")
+        for i, lp in enumerate(self.behav_log_probs):
+            if lp.dim() != 1 or lp.numel() != rl[i]:
+                raise ValueError(
+                    f"TrainBatch.behav_log_probs[{i}] has shape {tuple(lp.shape)}; expected ({rl[i]},) = "
+                    "response length (len(input_ids) - prompt_lens)")
+            if not torch.isfinite(lp).all():
+                raise ValueError(f"TrainBatch.behav_log_probs[{i}] has non-finite values")
+        if self.advantages is None:
+            raise ValueError("TrainBatch.advantages is required for train_step")
+        if isinstance(self.advantages, torch.Tensor):
+            if self.advantages.shape != (n,):
+                raise ValueError(
+                    f"TrainBatch.advantages has shape {tuple(self.advantages.shape)}; expected ({n},) "
+                    "(one per sequence) or a list of per-token tensors")
+        else:
+            if len(self.advantages) != n:
+                raise ValueError(f"TrainBatch.advantages has {len(self.advantages)} entries for {n} sequences")
+            for i, a in enumerate(self.advantages):
+                if a.dim() != 1 or a.numel() != rl[i]:
+                    raise ValueError(
+                        f"TrainBatch.advantages[{i}] has shape {tuple(a.shape)}; expected ({rl[i]},)")

@@ -1,0 +1,186 @@
+"""Pure packing logic: mini-batch split, data-parallel sharding, and micro-batches by a token budget.
+
+Sequences are packed several to a row (one row = one micro-batch). Each sequence keeps its own position
+ids and sees only itself through a block-diagonal causal mask (local spec) or cu_seqlens (Transformer
+Engine THD format), so the only padding is rounding a row up to a multiple of the tensor-parallel size
+(needed by sequence parallelism). Nothing here touches torch.distributed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .batch import TrainBatch
+
+
+def split_minibatches(n: int, num_minibatches: int) -> list[list[int]]:
+    """Contiguous, order-preserving split of n sequences into num_minibatches (sizes differ by <= 1)."""
+    if num_minibatches < 1:
+        raise ValueError(f"num_minibatches={num_minibatches} must be >= 1")
+    if num_minibatches > n:
+        raise ValueError(f"num_minibatches={num_minibatches} is more than the {n} sequences of the batch")
+    base, extra = divmod(n, num_minibatches)
+    out, start = [], 0
+    for k in range(num_minibatches):
+        size = base + (1 if k < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def shard_for_dp(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
+    """Deterministic token-balanced assignment of sequences to data-parallel ranks.
+
+    Longest first, each to the least-loaded rank (ties: lower rank). Returns, per rank, indices in
+    ascending order. Every rank computes the same answer from the same lengths."""
+    if dp_size < 1:
+        raise ValueError(f"dp_size={dp_size} must be >= 1")
+    if len(lengths) < dp_size:
+        raise ValueError(
+            f"a mini-batch of {len(lengths)} sequences cannot feed {dp_size} data-parallel ranks: "
+            "use fewer num_minibatches or a larger batch")
+    loads = [0] * dp_size
+    shards: list[list[int]] = [[] for _ in range(dp_size)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(dp_size), key=lambda r: (loads[r], len(shards[r]), r))
+        shards[r].append(i)
+        loads[r] += lengths[i]
+    return [sorted(s) for s in shards]
+
+
+def pack_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """First-fit decreasing bin packing of sequence lengths into rows of at most max_tokens tokens.
+
+    Returns bins of indices into `lengths` (each bin sorted ascending; bins ordered by first index)."""
+    if max_tokens < 1:
+        raise ValueError(f"micro_batch_tokens={max_tokens} must be >= 1")
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
+        if n > max_tokens:
+            raise ValueError(
+                f"a sequence of {n} tokens exceeds micro_batch_tokens={max_tokens}: raise micro_batch_tokens "
+                "to at least the longest prompt+response")
+        for b, f in enumerate(free):
+            if n <= f:
+                bins[b].append(i)
+                free[b] -= n
+                break
+        else:
+            bins.append([i])
+            free.append(max_tokens - n)
+    bins = [sorted(b) for b in bins]
+    bins.sort(key=lambda b: b[0])
+    return bins
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+@dataclass
+class MicroBatch:
+    """One packed row. `seq_index` are indices into the batch it was built from."""
+
+    tokens: torch.Tensor  # [1, S] long
+    position_ids: torch.Tensor  # [1, S] long, restarting at 0 for every sequence
+    labels: torch.Tensor  # [1, S] long: next token of the same sequence (0 where none)
+    seq_index: list[int]
+    offsets: list[int]  # start of each sequence in the row
+    lengths: list[int]
+    prompt_lens: list[int]
+    logprob_positions: torch.Tensor  # [R] row positions whose logits predict the response tokens
+    num_padding: int
+
+    @property
+    def response_lens(self) -> list[int]:
+        return [n - p for n, p in zip(self.lengths, self.prompt_lens)]
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def attention_mask(self) -> torch.Tensor:
+        """[1, 1, S, S] bool, True = masked: causal inside each sequence, nothing across sequences."""
+        s = self.seq_len
+        seg = torch.full((s,), -1, dtype=torch.long)
+        for k, (o, n) in enumerate(zip(self.offsets, self.lengths)):
+            seg[o:o + n] = k
+        same = seg.unsqueeze(0) == seg.unsqueeze(1)
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        keep = same & causal
+        keep |= torch.eye(s, dtype=torch.bool)  # padding rows attend to themselves (no NaN rows)
+        return (~keep).view(1, 1, s, s)
+
+    def cu_seqlens(self) -> torch.Tensor:
+        """Cumulative sequence boundaries for THD attention; trailing padding is its own segment."""
+        bounds = [0]
+        for n in self.lengths:
+            bounds.append(bounds[-1] + n)
+        if bounds[-1] < self.seq_len:
+            bounds.append(self.seq_len)
+        return torch.tensor(bounds, dtype=torch.int32)
+
+
+def build_microbatch(batch: TrainBatch, indices: Sequence[int], pad_multiple: int = 1) -> MicroBatch:
+    ids = [batch.input_ids[i].long() for i in indices]
+    lens = [int(t.numel()) for t in ids]
+    plens = [int(batch.prompt_lens[i]) for i in indices]
+    used = sum(lens)
+    s = _round_up(used, max(1, pad_multiple))
+    tokens = torch.zeros(1, s, dtype=torch.long)
+    pos = torch.zeros(1, s, dtype=torch.long)
+    labels = torch.zeros(1, s, dtype=torch.long)
+    offsets, lp_pos = [], []
+    o = 0
+    for t, n, p in zip(ids, lens, plens):
+        offsets.append(o)
+        tokens[0, o:o + n] = t
+        pos[0, o:o + n] = torch.arange(n)
+        labels[0, o:o + n - 1] = t[1:]
+        # logits at position j predict token j+1: response tokens p..n-1 come from positions p-1..n-2
+        lp_pos.append(torch.arange(o + p - 1, o + n - 1))
+        o += n
+    if s > used:
+        pos[0, used:] = torch.arange(s - used)
+    return MicroBatch(tokens, pos, labels, list(indices), offsets, lens, plens, torch.cat(lp_pos), s - used)
+
+
+def plan_microbatches(
+    batch: TrainBatch, indices: Sequence[int], max_tokens: int, pad_multiple: int = 1
+) -> list[MicroBatch]:
+    """Pack the sequences `indices` of `batch` into micro-batches of at most max_tokens tokens
+    (a row may exceed max_tokens only by the rounding to pad_multiple)."""
+    lens = [int(batch.input_ids[i].numel()) for i in indices]
+    bins = pack_by_token_budget(lens, max_tokens)
+    return [build_microbatch(batch, [indices[j] for j in b], pad_multiple) for b in bins]
+
+
+def padding_waste(mbs: Sequence[MicroBatch]) -> float:
+    """Fraction of row positions that hold no real token."""
+    total = sum(m.seq_len for m in mbs)
+    return 0.0 if total == 0 else sum(m.num_padding for m in mbs) / total
+
+
+def padded_batching_waste(lengths: Sequence[int], max_tokens: int) -> float:
+    """Waste of the usual alternative, for comparison: sort by length, fill [b, max_len] padded
+    micro-batches up to the token budget (b * max_len <= max_tokens)."""
+    order = sorted(lengths, reverse=True)
+    total = used = 0
+    i = 0
+    while i < len(order):
+        width = order[i]
+        b = max(1, max_tokens // width)
+        chunk = order[i:i + b]
+        total += width * len(chunk)
+        used += sum(chunk)
+        i += b
+    return 0.0 if total == 0 else 1.0 - used / total
+
+
+def gather_sequences(values: torch.Tensor, lens: Sequence[int]) -> list[torch.Tensor]:
+    """Split a flat tensor into per-sequence pieces."""
+    return list(torch.split(values, list(lens)))

@@ -1,0 +1,82 @@
+"""Pure packing logic: no processes, no Megatron."""
+import random
+
+import pytest
+import torch
+
+from m2po_megatron.actor.batch import TrainBatch
+from m2po_megatron.actor.packing import (build_microbatch, pack_by_token_budget, padded_batching_waste,
+                                         padding_waste, plan_microbatches, shard_for_dp, split_minibatches)
+
+
+def _batch(lens, plen=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, 50, (n,), generator=g) for n in lens]
+    return TrainBatch(ids, [plen] * len(lens), [torch.zeros(n - plen) for n in lens], torch.ones(len(lens)))
+
+
+def test_split_minibatches_contiguous_and_even():
+    assert split_minibatches(10, 3) == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    with pytest.raises(ValueError, match="num_minibatches"):
+        split_minibatches(2, 3)
+
+
+def test_shard_for_dp_is_a_balanced_partition():
+    rng = random.Random(0)
+    lens = [rng.randint(5, 200) for _ in range(37)]
+    shards = shard_for_dp(lens, 4)
+    assert sorted(i for s in shards for i in s) == list(range(37))
+    loads = [sum(lens[i] for i in s) for s in shards]
+    assert max(loads) - min(loads) <= max(lens)
+    assert shard_for_dp(lens, 4) == shards  # deterministic
+    with pytest.raises(ValueError, match="data-parallel"):
+        shard_for_dp([3], 2)
+
+
+def test_pack_respects_budget_and_covers_all():
+    rng = random.Random(1)
+    lens = [rng.randint(1, 100) for _ in range(50)]
+    bins = pack_by_token_budget(lens, 128)
+    assert sorted(i for b in bins for i in b) == list(range(50))
+    assert all(sum(lens[i] for i in b) <= 128 for b in bins)
+    assert len(bins) <= 2 * (sum(lens) // 128 + 1)
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        pack_by_token_budget([200], 128)
+
+
+def test_microbatch_layout_positions_labels_and_mask():
+    b = _batch([5, 4], plen=2)
+    mb = build_microbatch(b, [0, 1], pad_multiple=4)
+    assert mb.seq_len == 12 and mb.num_padding == 3
+    assert mb.position_ids[0, :9].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
+    assert torch.equal(mb.tokens[0, :5], b.input_ids[0]) and torch.equal(mb.tokens[0, 5:9], b.input_ids[1])
+    # response tokens 2..4 of seq0 are predicted at positions 1..3, seq1 tokens 2..3 at 6..7
+    assert mb.logprob_positions.tolist() == [1, 2, 3, 6, 7]
+    assert torch.equal(mb.labels[0, mb.logprob_positions], torch.cat([b.input_ids[0][2:], b.input_ids[1][2:]]))
+    m = mb.attention_mask()[0, 0]
+    assert not m[4, 0] and m[0, 1] and m[5, 4] and not m[8, 5]  # causal inside, blocked across
+    assert mb.cu_seqlens().tolist() == [0, 5, 9, 12]
+
+
+def test_packer_waste_below_padded_batching():
+    rng = random.Random(2)
+    lens = [min(4096, int(rng.lognormvariate(6.5, 0.7))) + 1 for _ in range(256)]
+    b = _batch(lens, plen=1)
+    mbs = plan_microbatches(b, list(range(256)), 8192, pad_multiple=2)
+    assert padding_waste(mbs) < 0.01
+    assert padded_batching_waste(lens, 8192) > padding_waste(mbs)
+
+
+def test_batch_validation_names_fields():
+    b = _batch([5, 4], plen=2)
+    b.validate(for_training=True, vocab_size=50)
+    bad = _batch([5, 4], plen=2)
+    bad.behav_log_probs[1] = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"behav_log_probs\[1\]"):
+        bad.validate(for_training=True)
+    with pytest.raises(ValueError, match=r"prompt_lens\[0\]"):
+        TrainBatch([torch.arange(3)], [3]).validate(for_training=False)
+    with pytest.raises(ValueError, match="outside"):
+        b.validate(for_training=False, vocab_size=10)
+    sub = b.select([1])
+    assert len(sub) == 1 and sub.advantages.shape == (1,)
