@@ -32,7 +32,7 @@ fi
   || { echo "error: $VENV is not Python 3.12; remove it and re-run" >&2; exit 1; }
 echo "[bootstrap] installing the pinned stack (requirements/lock.txt); ~2-3 min and ~6 GB the first time"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -c requirements/lock.txt -e '.[dev]'
+"$VENV/bin/python" -m pip install -q -c requirements/lock.txt -e '.[dev]' --config-settings editable_mode=compat
 rm -f "$VENV"/.stamp-*
 touch "$stamp"
 echo "[bootstrap] done"

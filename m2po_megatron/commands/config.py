@@ -1,0 +1,23 @@
+"""`m2po config RECIPE [overrides]`: validate a recipe and print the resolved config (secrets redacted)."""
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser("config", help="validate a recipe and print the resolved config",
+                       description="Load RECIPE (following `extends:`), apply dotted overrides such as "
+                                   "algo.m2po.tau=0.02, validate everything and print the result as YAML.")
+    p.add_argument("recipe", help="recipe path or name under recipes/ (e.g. tiny-cpu)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
+    p.add_argument("--no-check-files", action="store_true",
+                   help="do not require model/data paths to exist (validate a cluster recipe off-cluster)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import yaml
+
+    from m2po_megatron.config import load_config, redact
+
+    cfg = load_config(args.recipe, args.overrides, check_files=not args.no_check_files)
+    print(yaml.safe_dump(redact(cfg), sort_keys=False), end="")
+    return 0

@@ -1,0 +1,606 @@
+"""The typed schema of a run, recipe loading (YAML with `extends:`), dotted overrides and validation.
+
+A recipe is YAML matching `RunConfig`. `load_config(path, overrides)` merges, in order: the schema's
+defaults, the chain of recipes named by `extends:` (parent first), the recipe itself, then dotted
+command-line overrides (`algo.m2po.tau=0.02`). Everything is validated before any expensive work starts;
+every error names the field and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+SECRET_MARKERS = ("api_key", "token", "secret", "password")
+
+
+class ConfigError(ValueError):
+    """A recipe or override is wrong; the message names the field and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Schema
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class RunSection:
+    name: str = "run"
+    output_dir: str = "runs"  # the run directory is output_dir/name
+    seed: int = 1234
+    resume: str = "none"  # none | auto | PATH of a checkpoint
+
+
+@dataclass
+class ModelSection:
+    hf_path: Optional[str] = None  # HF checkpoint dir (config.json + weights); initial weights
+    hf_config: Optional[str] = None  # dir or config.json used for validation when hf_path is absent
+    tokenizer: Optional[str] = None  # defaults to hf_path
+    megatron_ckpt: Optional[str] = None  # initial weights from `m2po convert hf-to-megatron`
+    params_dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16
+    fp8: Optional[str] = None  # null | e4m3 | hybrid (Transformer Engine only)
+    fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise | mxfp8
+
+
+@dataclass
+class ParallelSection:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    data_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class M2POSection:
+    tau: float = 0.04
+    rule: str = "remove"  # remove (paper Algorithm 1) | cap (released code)
+    scope: str = "global"  # global (whole optimizer mini-batch across DP) | microbatch (released code)
+
+
+@dataclass
+class ClipSection:
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.2
+
+
+@dataclass
+class GSPOSection:
+    eps_clip_low: float = 3e-4
+    eps_clip_high: float = 4e-4
+
+
+@dataclass
+class AlgoSection:
+    name: str = "m2po"  # m2po | grpo | grpo_notr | gspo
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    norm_adv_by_std: bool = True
+    adv_eps: float = 1e-6
+    dual_clip_c: Optional[float] = None  # e.g. 3.0; bounds A<0 tokens with huge ratios, any loss
+    m2po: M2POSection = field(default_factory=M2POSection)
+    grpo: ClipSection = field(default_factory=ClipSection)
+    gspo: GSPOSection = field(default_factory=GSPOSection)
+
+
+@dataclass
+class StalenessSection:
+    mode: str = "bounded"  # on_policy | fixed_lag | bounded
+    lag_steps: int = 0  # fixed_lag: k batches of lag (staleness = k x updates_per_step)
+    max_staleness: int = 4  # bounded: in optimizer updates
+    sync_interval: int = 1  # bounded: push weights every this many updates
+    drop_too_stale: bool = True  # bounded: drop (counted) or keep samples beyond the bound
+    behav_logprob_source: str = "engine"  # engine | trainer (recomputed at generation time)
+
+
+@dataclass
+class RolloutSection:
+    engine: str = "local"  # local (CPU server speaking SGLang's protocol) | sglang
+    urls: list[str] = field(default_factory=list)  # attach to servers started elsewhere
+    num_servers: int = 1
+    host: Optional[str] = None  # default: this node's address (never 0.0.0.0)
+    port: int = 30000
+    api_key: Optional[str] = None  # prefer the M2PO_API_KEY environment variable; never logged
+    tp_size: int = 1  # SGLang --tp-size
+    dp_size: int = 1  # SGLang --dp-size
+    mem_fraction_static: Optional[float] = None  # SGLang --mem-fraction-static
+    context_length: Optional[int] = None
+    dtype: str = "auto"
+    quantization: Optional[str] = None  # e.g. fp8
+    router: str = "client"  # client (least-outstanding in the client) | sglang-router
+    n_samples_per_prompt: int = 8  # GRPO group size
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 2560
+    max_concurrency: int = 64  # requests in flight per server
+    request_timeout_s: float = 600.0
+    max_retries: int = 3
+    max_restarts: int = 2
+    health_timeout_s: float = 600.0
+    update_mode: str = "pause"  # pause (retract, update, continue) | in_flight
+    bucket_mb: int = 512
+
+
+@dataclass
+class DataSection:
+    train_path: Optional[str] = None  # prepared JSONL/parquet (m2po prepare-data)
+    eval_paths: list[str] = field(default_factory=list)
+    prompt_template: Optional[str] = None  # null = the prepared prompt is used as is
+    apply_chat_template: bool = True
+    max_prompt_len: int = 1536
+    shuffle_seed: int = 42
+
+
+@dataclass
+class RewardSection:
+    format_score: float = 0.0  # paper appendix: 0.1; released code: 0
+    num_workers: int = 4
+    timeout_s: float = 5.0
+
+
+@dataclass
+class TrainSection:
+    steps: int = 1000
+    prompts_per_step: int = 256
+    updates_per_step: int = 4  # optimizer mini-batches per step
+    micro_batch_tokens: int = 30000  # token budget of a packed micro-batch
+
+
+@dataclass
+class OptimSection:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_schedule: str = "constant"  # constant | cosine
+    warmup_updates: int = 0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class EvalSection:
+    interval: int = 50  # steps; 0 = only before and after training
+    n_samples: int = 4
+    n_samples_overrides: dict[str, int] = field(default_factory=lambda: {"aime24": 16, "aime25": 16})
+    temperature: float = 1.0
+    top_p: float = 0.7
+    max_new_tokens: Optional[int] = None  # default: rollout.max_new_tokens
+
+
+@dataclass
+class CheckpointSection:
+    interval: int = 50  # steps; 0 = only at the end and on SIGTERM
+    keep_last: int = 2
+    save_on_sigterm: bool = True
+
+
+@dataclass
+class LoggingSection:
+    wandb_mode: str = "disabled"  # online | offline | disabled (WANDB_MODE overrides)
+    wandb_project: str = "m2po-megatron"
+    wandb_entity: Optional[str] = None
+    console: bool = True
+
+
+@dataclass
+class ClusterSection:
+    ray_address: str = "local"  # local (private Ray on this machine) | auto | HOST:PORT
+    ray_tmpdir: Optional[str] = None
+    object_store_memory_mb: int = 512
+    trainer_nodes: int = 1
+    rollout_nodes: int = 0  # 0 = rollout servers share the trainer's node(s)
+    gpus_per_node: int = 0  # 0 = CPU: one trainer process per rank
+    gpu_memory_gb: Optional[float] = None  # when set, the per-GPU memory estimate must fit
+
+
+@dataclass
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    staleness: StalenessSection = field(default_factory=StalenessSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    data: DataSection = field(default_factory=DataSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+
+
+CHOICES = {
+    "run.resume": None,  # free-form: none | auto | path
+    "model.params_dtype": ("auto", "fp32", "bf16", "fp16"),
+    "model.fp8": (None, "e4m3", "hybrid"),
+    "model.fp8_recipe": ("delayed", "tensorwise", "blockwise", "mxfp8"),
+    "algo.name": ("m2po", "grpo", "grpo_notr", "gspo"),
+    "algo.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+    "algo.m2po.rule": ("remove", "cap"),
+    "algo.m2po.scope": ("global", "microbatch"),
+    "staleness.mode": ("on_policy", "fixed_lag", "bounded"),
+    "staleness.behav_logprob_source": ("engine", "trainer"),
+    "rollout.engine": ("local", "sglang"),
+    "rollout.router": ("client", "sglang-router"),
+    "rollout.update_mode": ("pause", "in_flight"),
+    "optim.lr_schedule": ("constant", "cosine"),
+    "logging.wandb_mode": ("online", "offline", "disabled"),
+}
+
+# field -> (lower bound, inclusive?) ; upper bounds handled in _check_ranges
+POSITIVE = [
+    "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+    "parallel.context_parallel_size", "parallel.data_parallel_size", "rollout.num_servers",
+    "rollout.tp_size", "rollout.dp_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
+    "rollout.max_concurrency", "rollout.request_timeout_s", "rollout.health_timeout_s", "rollout.bucket_mb",
+    "data.max_prompt_len", "reward.num_workers", "reward.timeout_s", "train.steps",
+    "train.prompts_per_step", "train.updates_per_step", "train.micro_batch_tokens",
+    "staleness.sync_interval", "eval.n_samples", "checkpoint.keep_last", "cluster.trainer_nodes",
+    "cluster.object_store_memory_mb", "rollout.port",
+]
+NON_NEGATIVE = [
+    "staleness.lag_steps", "staleness.max_staleness", "algo.m2po.tau", "algo.grpo.eps_clip_low",
+    "algo.grpo.eps_clip_high", "algo.gspo.eps_clip_low", "algo.gspo.eps_clip_high", "optim.lr",
+    "optim.min_lr", "optim.weight_decay", "optim.clip_grad", "optim.warmup_updates", "eval.interval",
+    "checkpoint.interval", "rollout.max_retries", "rollout.max_restarts", "cluster.rollout_nodes",
+    "cluster.gpus_per_node", "reward.format_score", "rollout.temperature", "algo.adv_eps", "optim.adam_eps",
+]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------------
+def _field_paths(node: Any, prefix: str = "") -> list[str]:
+    out = []
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            path = f"{prefix}{f.name}"
+            out.append(path)
+            out.extend(_field_paths(getattr(node, f.name), path + "."))
+    return out
+
+
+ALL_FIELDS = _field_paths(RunConfig())
+
+
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, ALL_FIELDS, n=1, cutoff=0.6)
+    if not close:  # try the leaf name alone, anywhere in the schema
+        leaf = key.rsplit(".", 1)[-1]
+        leaves = {p.rsplit(".", 1)[-1]: p for p in ALL_FIELDS}
+        m = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.7)
+        close = [leaves[m[0]]] if m else []
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _check_keys(data: Any, schema: Any, prefix: str, source: str) -> None:
+    """Unknown keys fail with the closest valid key (OmegaConf's own message lacks the suggestion)."""
+    if not isinstance(data, dict):
+        return
+    names = {f.name: f for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    if names is None:
+        return
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"{source}: unknown key '{path}'{_suggest(path)}")
+        sub = getattr(schema, key)
+        if dataclasses.is_dataclass(sub):
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"{source}: '{path}' must be a mapping of its fields, got {value!r}")
+            _check_keys(value, sub, path + ".", source)
+
+
+def resolve_recipe_path(ref: str, base_dir: Optional[Path] = None) -> Path:
+    """A recipe reference: a path (absolute, or relative to the referring recipe / cwd) or a recipe name
+    under recipes/ with or without `.yaml`."""
+    cands = []
+    p = Path(ref)
+    if p.is_absolute():
+        cands.append(p)
+    else:
+        if base_dir is not None:
+            cands.append(base_dir / p)
+        cands += [Path.cwd() / p, RECIPES_DIR / p]
+    cands += [c.with_suffix(".yaml") for c in list(cands) if c.suffix != ".yaml"]
+    for c in cands:
+        if c.is_file():
+            return c.resolve()
+    raise ConfigError(f"recipe '{ref}' not found (looked in {', '.join(str(c) for c in cands[:3])}, ...); "
+                      f"give a path to a YAML file or a name under {RECIPES_DIR}")
+
+
+def _read_recipe_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict]]:
+    if path in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path))
+        raise ConfigError(f"recipe inheritance loop: {chain}; remove one `extends:`")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}")
+    parent = data.pop("extends", None)
+    chain: list[tuple[Path, dict]] = []
+    if parent:
+        parents = parent if isinstance(parent, list) else [parent]
+        for ref in parents:
+            chain += _read_recipe_chain(resolve_recipe_path(str(ref), path.parent), (*seen, path))
+    chain.append((path, data))
+    return chain
+
+
+def _parse_overrides(overrides: list[str]) -> dict:
+    out: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like section.field=value (e.g. algo.m2po.tau=0.02)")
+        key, raw = item.split("=", 1)
+        key = key.strip().lstrip("+")
+        if not key:
+            raise ConfigError(f"override '{item}' has no key")
+        value = yaml.safe_load(raw) if raw.strip() != "" else None
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}' conflicts with another override of '{part}'")
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(recipe: Optional[str | Path] = None, overrides: Optional[list[str]] = None,
+                check_files: bool = True) -> DictConfig:
+    """Load, merge and validate a run config. Raises ConfigError naming the field and the fix."""
+    layers: list[tuple[str, dict]] = []
+    if recipe is not None:
+        path = resolve_recipe_path(str(recipe))
+        layers += [(str(p), d) for p, d in _read_recipe_chain(path)]
+    if overrides:
+        layers.append(("command-line override", _parse_overrides(overrides)))
+
+    cfg = OmegaConf.structured(RunConfig)
+    for source, data in layers:
+        _check_keys(data, RunConfig(), "", source)
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.create(data))
+        except ValidationError as e:
+            key = getattr(e, "full_key", None) or "?"
+            first = str(e).strip().splitlines()[0]
+            raise ConfigError(f"{source}: '{key}' has the wrong type: {first}; "
+                              f"expected {_expected_type(key)}") from None
+        except (ConfigKeyError, OmegaConfBaseException) as e:  # pragma: no cover - caught by _check_keys
+            raise ConfigError(f"{source}: {e}") from None
+    validate(cfg, check_files=check_files)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def _expected_type(key: str) -> str:
+    node: Any = RunConfig()
+    fld = None
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node):
+            break
+        fld = {f.name: f for f in dataclasses.fields(node)}.get(part)
+        if fld is None:
+            break
+        node = getattr(node, part)
+    return str(fld.type) if fld is not None else "the schema's type"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------------
+def _get(cfg: DictConfig, path: str) -> Any:
+    return OmegaConf.select(cfg, path)
+
+
+def read_hf_config(cfg: DictConfig) -> Optional[dict]:
+    """The model's HF config.json as a dict (from model.hf_config or model.hf_path), or None."""
+    for key in ("model.hf_config", "model.hf_path"):
+        ref = _get(cfg, key)
+        if not ref:
+            continue
+        p = Path(os.path.expandvars(os.path.expanduser(ref)))
+        p = p / "config.json" if p.is_dir() or not p.suffix else p
+        if p.is_file():
+            try:
+                return json.loads(p.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{key}: {p} is not valid JSON ({e})") from None
+    return None
+
+
+def validate(cfg: DictConfig, check_files: bool = True) -> None:
+    errors: list[str] = []
+
+    for path, choices in CHOICES.items():
+        if choices is None:
+            continue
+        value = _get(cfg, path)
+        if value not in choices:
+            shown = ", ".join("null" if c is None else str(c) for c in choices)
+            hint = difflib.get_close_matches(str(value), [str(c) for c in choices if c is not None], n=1)
+            errors.append(f"{path} = {value!r} is not one of: {shown}"
+                          + (f"; did you mean '{hint[0]}'?" if hint else ""))
+    for path in POSITIVE:
+        v = _get(cfg, path)
+        if v is None or v <= 0:
+            errors.append(f"{path} = {v!r} must be > 0")
+    for path in NON_NEGATIVE:
+        v = _get(cfg, path)
+        if v is not None and v < 0:
+            errors.append(f"{path} = {v!r} must be >= 0")
+    if not 0 < cfg.rollout.top_p <= 1:
+        errors.append(f"rollout.top_p = {cfg.rollout.top_p} must be in (0, 1]")
+    if not 0 < cfg.eval.top_p <= 1:
+        errors.append(f"eval.top_p = {cfg.eval.top_p} must be in (0, 1]")
+    for b in ("adam_beta1", "adam_beta2"):
+        if not 0 <= cfg.optim[b] < 1:
+            errors.append(f"optim.{b} = {cfg.optim[b]} must be in [0, 1)")
+    if cfg.algo.dual_clip_c is not None and cfg.algo.dual_clip_c <= 1:
+        errors.append(f"algo.dual_clip_c = {cfg.algo.dual_clip_c} must be > 1 (e.g. 3.0), or null to disable")
+    if cfg.rollout.mem_fraction_static is not None and not 0 < cfg.rollout.mem_fraction_static < 1:
+        errors.append(f"rollout.mem_fraction_static = {cfg.rollout.mem_fraction_static} must be in (0, 1)")
+    if cfg.run.resume not in ("none", "auto") and check_files and not Path(cfg.run.resume).exists():
+        errors.append(f"run.resume = {cfg.run.resume!r}: no such checkpoint; use 'auto', 'none' or a path")
+
+    _check_layout(cfg, errors)
+    _check_batches(cfg, errors)
+    _check_model(cfg, errors, check_files)
+
+    if errors:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+def _check_layout(cfg: DictConfig, errors: list[str]) -> None:
+    p = cfg.parallel
+    tp, pp, cp, dp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                      p.context_parallel_size, p.data_parallel_size)
+    if p.sequence_parallel and tp == 1:
+        errors.append("parallel.sequence_parallel = true needs parallel.tensor_model_parallel_size > 1; "
+                      "set it to false")
+    vpp = p.virtual_pipeline_model_parallel_size
+    if vpp is not None and (vpp < 1 or pp < 2):
+        errors.append(f"parallel.virtual_pipeline_model_parallel_size = {vpp} needs "
+                      f"pipeline_model_parallel_size >= 2 and a value >= 1; or set it to null")
+    c = cfg.cluster
+    if c.gpus_per_node > 0:
+        trainer_gpus = c.trainer_nodes * c.gpus_per_node
+        if trainer_gpus != tp * pp * cp * dp:
+            errors.append(
+                f"trainer GPUs = cluster.trainer_nodes x cluster.gpus_per_node = {c.trainer_nodes} x "
+                f"{c.gpus_per_node} = {trainer_gpus}, but tensor x pipeline x context x data parallel = "
+                f"{tp} x {pp} x {cp} x {dp} = {tp * pp * cp * dp}; make them equal "
+                f"(e.g. parallel.data_parallel_size = {max(1, trainer_gpus // (tp * pp * cp))})")
+        if c.rollout_nodes > 0 and cfg.rollout.engine == "sglang":
+            per_server = cfg.rollout.tp_size * cfg.rollout.dp_size
+            if (c.rollout_nodes * c.gpus_per_node) % per_server:
+                errors.append(f"rollout GPUs = {c.rollout_nodes * c.gpus_per_node} are not a multiple of "
+                              f"rollout.tp_size x rollout.dp_size = {per_server}")
+
+
+def _check_batches(cfg: DictConfig, errors: list[str]) -> None:
+    t, s = cfg.train, cfg.staleness
+    if t.prompts_per_step % t.updates_per_step:
+        errors.append(f"train.prompts_per_step = {t.prompts_per_step} must be divisible by "
+                      f"train.updates_per_step = {t.updates_per_step} (prompts per optimizer mini-batch)")
+    else:
+        per_update = t.prompts_per_step // t.updates_per_step
+        dp = cfg.parallel.data_parallel_size
+        seqs = per_update * cfg.rollout.n_samples_per_prompt
+        if seqs % dp:
+            errors.append(f"sequences per mini-batch = {per_update} prompts x rollout.n_samples_per_prompt "
+                          f"{cfg.rollout.n_samples_per_prompt} = {seqs} must be divisible by "
+                          f"parallel.data_parallel_size = {dp}")
+    if s.mode == "on_policy" and (s.lag_steps or 0) > 0:
+        errors.append("staleness.lag_steps > 0 needs staleness.mode = fixed_lag (on_policy means lag 0)")
+    if s.mode == "bounded" and s.sync_interval > max(1, s.max_staleness):
+        errors.append(f"staleness.sync_interval = {s.sync_interval} exceeds staleness.max_staleness = "
+                      f"{s.max_staleness}: the servers would always be too stale; lower sync_interval")
+    if cfg.rollout.engine == "sglang" and not cfg.rollout.urls and cfg.cluster.gpus_per_node == 0:
+        errors.append("rollout.engine = sglang needs GPUs (cluster.gpus_per_node > 0) or rollout.urls of "
+                      "running servers; use rollout.engine = local on CPU")
+    if cfg.model.fp8 and cfg.model.params_dtype in ("fp32",):
+        errors.append("model.fp8 needs model.params_dtype = bf16 (or auto on GPU)")
+
+
+def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
+    if check_files and cfg.model.hf_path and not Path(os.path.expanduser(cfg.model.hf_path)).exists():
+        errors.append(f"model.hf_path = {cfg.model.hf_path!r} does not exist; give an HF checkpoint dir")
+    hf = read_hf_config(cfg)
+    if hf is None:
+        return
+    p = cfg.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    heads = hf.get("num_attention_heads")
+    kv = hf.get("num_key_value_heads") or heads
+    layers = hf.get("num_hidden_layers")
+    if heads and heads % tp:
+        errors.append(f"num_attention_heads = {heads} (model config) is not divisible by "
+                      f"parallel.tensor_model_parallel_size = {tp}; use a divisor of {heads}")
+    if kv and kv % tp:
+        errors.append(f"num_key_value_heads = {kv} (model config) is not divisible by "
+                      f"parallel.tensor_model_parallel_size = {tp}; use a divisor of {kv}")
+    vpp = p.virtual_pipeline_model_parallel_size or 1
+    if layers and layers % (pp * vpp):
+        errors.append(f"num_hidden_layers = {layers} (model config) is not divisible by "
+                      f"pipeline_model_parallel_size x virtual stages = {pp} x {vpp}")
+    ctx = hf.get("max_position_embeddings")
+    need = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    if ctx and need > ctx and not hf.get("rope_scaling"):
+        errors.append(f"data.max_prompt_len + rollout.max_new_tokens = {need} exceeds the model's "
+                      f"max_position_embeddings = {ctx}; shorten them")
+    if cfg.cluster.gpu_memory_gb:
+        try:
+            from m2po_megatron.memory import estimate_gpu_memory
+        except ImportError:
+            return
+        est = estimate_gpu_memory(
+            hf, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            data_parallel_size=p.data_parallel_size, micro_batch_tokens=cfg.train.micro_batch_tokens,
+            use_distributed_optimizer=p.use_distributed_optimizer, fp8=bool(cfg.model.fp8),
+            sequence_parallel=p.sequence_parallel)
+        total = est["total"] if isinstance(est, dict) else float(est)
+        if total > cfg.cluster.gpu_memory_gb:
+            errors.append(f"estimated trainer memory {total:.1f} GB per GPU exceeds cluster.gpu_memory_gb = "
+                          f"{cfg.cluster.gpu_memory_gb}; raise tensor/pipeline parallel size or lower "
+                          f"train.micro_batch_tokens ({est})")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Saving
+# ----------------------------------------------------------------------------------------------------
+def is_secret(key: str) -> bool:
+    k = key.lower()
+    return any(m in k for m in SECRET_MARKERS)
+
+
+def redact(obj: Any) -> Any:
+    """A plain copy with secret-looking fields replaced by '***' (set ones) so they never reach disk/logs."""
+    if isinstance(obj, DictConfig):
+        obj = OmegaConf.to_container(obj, resolve=True)
+    if isinstance(obj, dict):
+        return {k: ("***" if is_secret(str(k)) and v else redact(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redact(v) for v in obj]
+    return obj
+
+
+def run_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.run.output_dir) / cfg.run.name
+
+
+def save_resolved(cfg: DictConfig, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / "config.yaml"
+    out.write_text(yaml.safe_dump(redact(cfg), sort_keys=False))
+    return out
+
+
+def secret(cfg_value: Optional[str], env: str) -> Optional[str]:
+    """A secret from the config or, preferably, the environment."""
+    return os.environ.get(env) or cfg_value
+
+
+def as_plain(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+__all__ = ["RunConfig", "ConfigError", "load_config", "validate", "save_resolved", "redact", "run_dir",
+           "read_hf_config", "secret", "as_plain", "MISSING"]

@@ -1,0 +1,134 @@
+"""Recipes: inheritance, overrides, and every validation rule (each error names the field and the fix)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from m2po_megatron.config import ConfigError, load_config, redact, save_resolved
+
+
+def write(path, data):
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def err(tmp_path, overrides=None, recipe=None, **kw):
+    with pytest.raises(ConfigError) as e:
+        load_config(recipe, overrides or [], **kw)
+    return str(e.value)
+
+
+def test_defaults_are_the_papers():
+    cfg = load_config()
+    assert cfg.algo.name == "m2po" and cfg.algo.m2po.tau == 0.04 and cfg.algo.m2po.rule == "remove"
+    assert cfg.optim.lr == 1e-6 and cfg.optim.clip_grad == 1.0 and cfg.train.updates_per_step == 4
+
+
+def test_inheritance_chain_and_overrides(tmp_path):
+    base = write(tmp_path / "base.yaml", {"algo": {"name": "grpo", "m2po": {"tau": 0.1}}, "train": {"steps": 7}})
+    mid = write(tmp_path / "mid.yaml", {"extends": "base.yaml", "train": {"steps": 9}})
+    child = write(tmp_path / "child.yaml", {"extends": "mid", "algo": {"name": "m2po"}})
+    cfg = load_config(child, ["algo.m2po.tau=0.02", "rollout.urls=[http://a:1,http://b:2]"])
+    assert cfg.algo.name == "m2po"          # child wins over base
+    assert cfg.train.steps == 9             # mid wins over base
+    assert cfg.algo.m2po.tau == 0.02        # override wins over everything
+    assert list(cfg.rollout.urls) == ["http://a:1", "http://b:2"]
+
+
+def test_inheritance_loop(tmp_path):
+    write(tmp_path / "a.yaml", {"extends": "b.yaml"})
+    write(tmp_path / "b.yaml", {"extends": "a.yaml"})
+    assert "loop" in err(tmp_path, recipe=tmp_path / "a.yaml")
+
+
+def test_unknown_key_suggests_closest(tmp_path):
+    r = write(tmp_path / "r.yaml", {"algo": {"m2po": {"tua": 0.1}}})
+    msg = err(tmp_path, recipe=r)
+    assert "algo.m2po.tua" in msg and "algo.m2po.tau" in msg and "r.yaml" in msg
+    assert "'parallel.tensor_model_parallel_size'" in err(tmp_path, ["parallel.tensor_parallel_size=2"])
+    assert "unknown key 'nosection'" in err(tmp_path, ["nosection.x=1"])
+
+
+def test_wrong_type_names_field():
+    msg = err(None, ["train.steps=many"])
+    assert "train.steps" in msg and "int" in msg
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("staleness.max_staleness=-1", "staleness.max_staleness"),
+    ("staleness.lag_steps=-2", "staleness.lag_steps"),
+    ("algo.m2po.tau=-0.1", "algo.m2po.tau"),
+    ("train.steps=0", "train.steps"),
+    ("rollout.top_p=1.5", "rollout.top_p"),
+    ("optim.adam_beta2=1.0", "optim.adam_beta2"),
+    ("algo.dual_clip_c=0.5", "algo.dual_clip_c"),
+    ("algo.name=ppo", "algo.name"),
+    ("algo.m2po.rule=clip", "algo.m2po.rule"),
+    ("staleness.mode=async", "staleness.mode"),
+    ("rollout.mem_fraction_static=1.2", "rollout.mem_fraction_static"),
+    ("run.resume=/no/such/ckpt", "run.resume"),
+])
+def test_range_and_choice_rules(override, needle):
+    assert needle in err(None, [override])
+
+
+def test_cross_field_rules():
+    assert "sequence_parallel" in err(None, ["parallel.sequence_parallel=true"])
+    msg = err(None, ["train.prompts_per_step=10", "train.updates_per_step=4"])
+    assert "train.prompts_per_step" in msg and "train.updates_per_step" in msg
+    msg = err(None, ["cluster.gpus_per_node=8", "cluster.trainer_nodes=2", "parallel.tensor_model_parallel_size=4"])
+    assert "trainer GPUs" in msg and "16" in msg and "parallel.data_parallel_size = 4" in msg
+    assert "lag_steps" in err(None, ["staleness.mode=on_policy", "staleness.lag_steps=2"])
+    assert "sync_interval" in err(None, ["staleness.max_staleness=2", "staleness.sync_interval=3"])
+    assert "virtual_pipeline" in err(None, ["parallel.virtual_pipeline_model_parallel_size=2"])
+    assert "rollout.engine = sglang" in err(None, ["rollout.engine=sglang"])
+    msg = err(None, ["train.prompts_per_step=4", "train.updates_per_step=4", "rollout.n_samples_per_prompt=3",
+                     "parallel.data_parallel_size=2"])
+    assert "parallel.data_parallel_size" in msg
+
+
+def test_model_layout_rules(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(
+        {"architectures": ["Qwen2ForCausalLM"], "num_attention_heads": 28, "num_key_value_heads": 4,
+         "num_hidden_layers": 28, "max_position_embeddings": 4096}))
+    msg = err(tmp_path, [f"model.hf_config={tmp_path / 'm'}", "parallel.tensor_model_parallel_size=8"])
+    assert "num_attention_heads = 28" in msg and "tensor_model_parallel_size = 8" in msg
+    msg = err(tmp_path, [f"model.hf_config={tmp_path / 'm'}", "parallel.pipeline_model_parallel_size=3"])
+    assert "num_hidden_layers = 28" in msg
+    msg = err(tmp_path, [f"model.hf_config={tmp_path / 'm'}", "rollout.max_new_tokens=4000"])
+    assert "max_position_embeddings" in msg
+    ok = load_config(None, [f"model.hf_config={tmp_path / 'm'}", "parallel.tensor_model_parallel_size=4",
+                            "parallel.pipeline_model_parallel_size=4", "rollout.max_new_tokens=2048"])
+    assert ok.parallel.tensor_model_parallel_size == 4
+    assert "model.hf_path" in err(tmp_path, ["model.hf_path=/no/such/model"])
+
+
+def test_all_errors_reported_together():
+    msg = err(None, ["train.steps=0", "algo.name=x"])
+    assert "train.steps" in msg and "algo.name" in msg
+
+
+def test_resolved_config_written_without_secrets(tmp_path):
+    cfg = load_config(None, ["rollout.api_key=sk-very-secret"])
+    out = save_resolved(cfg, tmp_path / "run")
+    text = out.read_text()
+    assert "sk-very-secret" not in text and "api_key: '***'" in text
+    again = yaml.safe_load(text)
+    assert again["algo"]["m2po"]["tau"] == 0.04
+    assert redact({"nested": {"wandb_api_key": "x", "keep": 1}}) == {"nested": {"wandb_api_key": "***", "keep": 1}}
+
+
+def test_cli_config_command(tmp_path):
+    r = write(tmp_path / "r.yaml", {"algo": {"m2po": {"tua": 0.1}}})
+    p = subprocess.run([sys.executable, "-m", "m2po_megatron.cli", "config", str(r)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "algo.m2po.tau" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "m2po_megatron.cli", "config", str(r), "algo.m2po={tau: 0.1}",
+                        "--no-check-files"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2  # the recipe's typo still fails even if an override sets the right key
+    p = subprocess.run([sys.executable, "-m", "m2po_megatron.cli", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and "config" in p.stdout
