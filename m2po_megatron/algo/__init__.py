@@ -1,0 +1,34 @@
+"""Pure-torch policy-loss library: GRPO advantages, the M2PO mask, policy losses and their metrics.
+
+Only `m2po_megatron.algo.distributed` touches torch.distributed (the batch-level mask over a process
+group); everything else is single-process tensor math. See docs/algo.md.
+"""
+
+from m2po_megatron.algo._layout import seq_ids_from_cu_seqlens
+from m2po_megatron.algo.advantages import grpo_advantages
+from m2po_megatron.algo.distributed import (
+    GlobalM2POMask,
+    all_reduce_metrics,
+    global_m2po_keep_masks,
+    global_token_counts,
+)
+from m2po_megatron.algo.losses import AGG_MODES, LOSSES, policy_loss
+from m2po_megatron.algo.mask import RULES, keep_trust_region_values, m2po_keep_mask, trust_region
+from m2po_megatron.algo.metrics import reduce_metrics
+
+__all__ = [
+    "AGG_MODES",
+    "LOSSES",
+    "RULES",
+    "GlobalM2POMask",
+    "all_reduce_metrics",
+    "global_m2po_keep_masks",
+    "global_token_counts",
+    "grpo_advantages",
+    "keep_trust_region_values",
+    "m2po_keep_mask",
+    "policy_loss",
+    "reduce_metrics",
+    "seq_ids_from_cu_seqlens",
+    "trust_region",
+]

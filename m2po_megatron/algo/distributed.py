@@ -1,0 +1,250 @@
+"""The batch-level M2PO mask over micro-batches and data-parallel ranks (the only distributed module of algo/).
+
+Use (one optimizer mini-batch, every rank of the model):
+    res = global_m2po_keep_masks(log_ratios, advs, masks, tau=0.04, group=dp_group)   # no grad, once
+    for mb, keep in zip(micro_batches, res.keep_masks):
+        loss, m = policy_loss("m2po", lp, blp, adv, mask, keep_mask=keep,
+                              num_tokens=res.num_tokens, num_seqs=res.num_seqs)
+        loss.backward()
+The summed gradient over micro-batches and DP ranks is then exactly the gradient of the full mini-batch
+loss with the mask of the concatenated mini-batch (micro-batches in order, ranks in group-rank order).
+
+Which group: the ranks that hold *different* tokens of the mini-batch, i.e. Megatron's data-parallel
+group (parallel_state.get_data_parallel_group(); with_context_parallel=True if each context-parallel rank
+holds its own slice of tokens, False if log-probs were gathered over CP). Tensor- and pipeline-parallel
+replicas each call with their own DP group, compute the same result, and nothing is counted twice. Passing
+a group that contains replicas would count their tokens twice, so with torch.distributed initialised and
+more than one rank, `group` is required.
+
+Communication per call (P ranks in the group, |T_r| trust-region tokens on rank r):
+  - scope="minibatch": one all_gather of 6 float64 counters (48 P bytes) and one all_gather of the
+    trust-region log-ratios as float64, padded to max_r |T_r| (each rank receives 8 P max_r |T_r| bytes;
+    e.g. 64 prompts x 8 rollouts x 2.5k tokens, half of them in T: ~5 MB in total). Every rank then
+    sorts the same global vector, so ties and rounding are identical to one process.
+  - scope="microbatch" (the released code: each micro-batch masked on its own): only the first all_gather.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from m2po_megatron.algo._layout import as_bool_mask, check_finite, check_same_shape, valid_tokens
+from m2po_megatron.algo.mask import check_tau_rule, keep_trust_region_values, trust_region
+from m2po_megatron.algo.metrics import from_partials, to_partials
+
+Tensor = torch.Tensor
+SCOPES = ("minibatch", "microbatch")
+
+
+@dataclass
+class GlobalM2POMask:
+    """Result of global_m2po_keep_masks; all counts and M2 values are over the whole group."""
+
+    keep_masks: list[Tensor]  # per input micro-batch, its shape; True = valid and not dropped
+    num_tokens: int  # valid tokens of the mini-batch (the token-mean denominator)
+    num_seqs: int  # sequences with >= 1 valid token (-1 if flat inputs came without seq_ids)
+    num_trust_region: int
+    num_dropped: int
+    m2_before: float  # mean (log r)^2 over T
+    m2_after: float  # mean (log r)^2 over the kept T tokens
+
+
+def _world(group) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("group was given but torch.distributed is not initialised")
+        return 1
+    if group is None:
+        if dist.get_world_size() > 1:
+            raise ValueError(
+                "pass group= the data-parallel group (e.g. megatron.core.parallel_state.get_data_parallel_group()); "
+                "the default group would count tensor/pipeline-parallel replicas more than once"
+            )
+        return 1
+    return dist.get_world_size(group)
+
+
+def _as_list(x, n=None) -> list:
+    if x is None:
+        return [None] * (n or 1)
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _all_gather(t: Tensor, group, world: int) -> list[Tensor]:
+    if world == 1:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def _local(log_ratios, advantages, masks, seq_ids):
+    """Per micro-batch: bool mask, trust-region flat index, its log-ratios (float64), counts."""
+    parts = []
+    for i, (lr, adv, m, sid) in enumerate(zip(log_ratios, advantages, masks, seq_ids)):
+        m = as_bool_mask(m, f"masks[{i}]")
+        check_same_shape(f"log_ratios[{i}]", lr, **{f"advantages[{i}]": adv, f"masks[{i}]": m})
+        check_finite("global_m2po_keep_masks", m, **{f"log_ratios[{i}]": lr, f"advantages[{i}]": adv})
+        lr = lr.detach()
+        tr = trust_region(lr, adv.detach(), m).reshape(-1)
+        idx = tr.nonzero().squeeze(-1)
+        vals = lr.reshape(-1)[idx].to(torch.float64)
+        n_seqs = valid_tokens(m, sid, "global_m2po_keep_masks").num_seqs
+        parts.append((m, idx, vals, int(m.sum()), n_seqs))
+    return parts
+
+
+@torch.no_grad()
+def global_m2po_keep_masks(
+    log_ratios: Tensor | Sequence[Tensor],
+    advantages: Tensor | Sequence[Tensor],
+    masks: Tensor | Sequence[Tensor],
+    *,
+    tau: float = 0.04,
+    rule: str = "remove",
+    scope: str = "minibatch",
+    group=None,
+    seq_ids: Tensor | Sequence[Tensor] | None = None,
+) -> GlobalM2POMask:
+    """M2PO keep masks for this rank's micro-batches, decided over the whole mini-batch of the group.
+
+    Args:
+        log_ratios, advantages, masks: one tensor or a list (one per micro-batch, in processing order) of
+            per-token log pi_theta - log pi_behav, advantages and valid masks; each padded [B, T] or flat [N]
+            (flat ones may pass seq_ids so that sequences are counted).
+        tau, rule: as in m2po_keep_mask.
+        scope: "minibatch" (default: the paper's batch-level constraint over all micro-batches and ranks) or
+            "microbatch" (each micro-batch masked on its own, as the released code does).
+        group: the data-parallel process group (see module doc); None for a single process.
+        seq_ids: flat inputs only, integer sequence ids per micro-batch.
+
+    Returns:
+        GlobalM2POMask: per-micro-batch keep masks and the global denominators/diagnostics. With scope
+        "minibatch" the masks equal m2po_keep_mask over the concatenation of all micro-batches of all ranks
+        (row-major valid tokens, micro-batches in order, ranks in group-rank order), ties included.
+    """
+    check_tau_rule(tau, rule)
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    log_ratios, advantages, masks = _as_list(log_ratios), _as_list(advantages), _as_list(masks)
+    if not (len(log_ratios) == len(advantages) == len(masks)) or not log_ratios:
+        raise ValueError("log_ratios, advantages and masks must be lists of the same, non-zero length")
+    seq_ids = _as_list(seq_ids, len(masks))
+    if len(seq_ids) != len(masks):
+        raise ValueError("seq_ids must have one entry per micro-batch")
+    world = _world(group)
+    parts = _local(log_ratios, advantages, masks, seq_ids)
+    dev = log_ratios[0].device
+
+    keeps_local = []
+    if scope == "microbatch":
+        for _, _, vals, _, _ in parts:
+            keeps_local.append(keep_trust_region_values(vals, tau, rule))
+    v_all = torch.cat([p[2] for p in parts]).square()
+    k_all = torch.cat(keeps_local) if keeps_local else None
+    n_t = v_all.numel()
+    counters = torch.tensor(
+        [
+            n_t,
+            sum(p[3] for p in parts),
+            -1.0 if any(p[4] < 0 for p in parts) else sum(p[4] for p in parts),
+            float(v_all.sum()) if k_all is not None else 0.0,
+            float((v_all * k_all).sum()) if k_all is not None else 0.0,
+            float(k_all.sum()) if k_all is not None else 0.0,
+        ],
+        dtype=torch.float64,
+        device=dev,
+    )
+    table = torch.stack(_all_gather(counters, group, world)).cpu()  # collective 1
+    n_tr = [int(x) for x in table[:, 0].tolist()]
+    num_tokens = int(table[:, 1].sum())
+    num_seqs = -1 if bool((table[:, 2] < 0).any()) else int(table[:, 2].sum())
+    total_t = sum(n_tr)
+
+    if scope == "microbatch":
+        sum_before, sum_after, n_kept = (float(x) for x in table[:, 3:6].sum(0).tolist())
+    else:
+        me = dist.get_rank(group) if world > 1 else 0
+        max_t = max(n_tr)
+        local_vals = torch.cat([p[2] for p in parts])
+        if world > 1 and max_t > 0:  # collective 2: only the trust-region log-ratios
+            padded = torch.zeros(max_t, dtype=torch.float64, device=dev)
+            padded[:n_t] = local_vals
+            gathered = _all_gather(padded, group, world)
+            global_vals = torch.cat([g[:c] for g, c in zip(gathered, n_tr)])
+        else:
+            global_vals = local_vals
+        keep_global = keep_trust_region_values(global_vals, tau, rule)
+        v = global_vals.square()
+        sum_before, sum_after = float(v.sum()), float((v * keep_global).sum())
+        n_kept = float(keep_global.sum())
+        offset = sum(n_tr[:me])
+        mine = keep_global[offset:offset + n_t]
+        keeps_local = list(torch.split(mine, [p[2].numel() for p in parts]))
+
+    keep_masks = []
+    for (m, idx, _, _, _), k in zip(parts, keeps_local):
+        keep = m.reshape(-1).clone()
+        keep[idx] = k.to(keep.device)
+        keep_masks.append(keep.reshape(m.shape))
+    return GlobalM2POMask(
+        keep_masks=keep_masks,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        num_trust_region=total_t,
+        num_dropped=total_t - int(n_kept),
+        m2_before=sum_before / total_t if total_t else 0.0,
+        m2_after=sum_after / n_kept if n_kept else 0.0,
+    )
+
+
+def _device_for(group) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def global_token_counts(masks: Tensor | Sequence[Tensor], *, group=None,
+                        seq_ids: Tensor | Sequence[Tensor] | None = None) -> tuple[int, int]:
+    """(num_tokens, num_seqs) over all micro-batches and the group's ranks: one all_reduce of 2 numbers.
+    Use as policy_loss denominators for losses that need no M2PO mask (grpo, grpo_notr, gspo)."""
+    masks = _as_list(masks)
+    seq_ids = _as_list(seq_ids, len(masks))
+    world = _world(group)
+    n_tok, n_seq = 0, 0
+    for i, (m, sid) in enumerate(zip(masks, seq_ids)):
+        m = as_bool_mask(m, f"masks[{i}]")
+        n_tok += int(m.sum())
+        s = valid_tokens(m, sid, "global_token_counts").num_seqs
+        n_seq = -math.inf if s < 0 else n_seq + s
+    if world == 1:
+        return n_tok, (-1 if n_seq < 0 else int(n_seq))
+    t = torch.tensor([n_tok, max(n_seq, -1e18)], dtype=torch.float64, device=_device_for(group))
+    dist.all_reduce(t, group=group)
+    tok, seq = t.tolist()
+    return int(tok), (-1 if seq < 0 else int(seq))
+
+
+@torch.no_grad()
+def all_reduce_metrics(metrics: dict[str, float], *, group=None, loss: str = "sum") -> dict[str, float]:
+    """Combine a (micro-batch-reduced) policy_loss metric dict over the group's ranks exactly, with three
+    small all_reduces (sum, min, max). Every rank must pass the same keys."""
+    world = _world(group)
+    sums, mins, maxes = to_partials(metrics, loss)
+    if world == 1:
+        return from_partials(sums, mins, maxes, loss)
+    dev = _device_for(group)
+    out = []
+    for d, op in ((sums, dist.ReduceOp.SUM), (mins, dist.ReduceOp.MIN), (maxes, dist.ReduceOp.MAX)):
+        keys = sorted(d)
+        t = torch.tensor([d[k] for k in keys], dtype=torch.float64, device=dev)
+        if keys:
+            dist.all_reduce(t, op=op, group=group)
+        out.append(dict(zip(keys, t.tolist())))
+    return from_partials(*out, loss)

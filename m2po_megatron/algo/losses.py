@@ -1,0 +1,251 @@
+"""Policy losses on behaviour-policy samples: m2po, grpo, grpo_notr, gspo.
+
+Every loss is a surrogate whose gradient with respect to log_prob on an *active* token is -A * r / D
+(r = exp(log_prob - behav_log_prob), D the aggregation denominator) and zero on every other token:
+  - m2po:      active = kept by the M2PO mask (no epsilon clip); dropped tokens contribute 0 but stay in D.
+  - grpo:      PPO clip: inactive where A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low.
+  - grpo_notr: plain r * A (no trust region at all).
+  - gspo:      r is replaced by the sequence ratio s = exp(mean_t log-ratio) (its gradient spreads over the
+               sequence's tokens); PPO clip on s with GSPO's small range (3e-4, 4e-4); sequence mean.
+  - dual_clip=c (any loss, M2PO included): tokens with A < 0 and r > c are also inactive (loss -A*c),
+    which bounds the large-ratio negative tokens that lie outside T (see docs/algo.md).
+The active set is decided on detached values first and exp() is only evaluated on active tokens, so a
+huge ratio on an inactive token cannot turn the gradient into NaN (0 * inf).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from m2po_megatron.algo._layout import (
+    ValidTokens,
+    as_bool_mask,
+    check_finite,
+    check_same_shape,
+    compute_dtype,
+    valid_tokens,
+)
+from m2po_megatron.algo.mask import check_tau_rule, keep_trust_region_values
+
+Tensor = torch.Tensor
+
+LOSSES = ("m2po", "grpo", "grpo_notr", "gspo")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+DEFAULT_EPS = {"grpo": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (eps_low, eps_high)
+DEFAULT_AGG = {"m2po": "token-mean", "grpo": "token-mean", "grpo_notr": "token-mean", "gspo": "seq-mean-token-mean"}
+
+
+def _denominator(given, local: int, what: str, arg: str) -> float:
+    if given is None:
+        return float(local)
+    value = float(given.item()) if isinstance(given, Tensor) else float(given)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{arg} must be a finite count >= 0, got {given!r}")
+    if value == 0 and local > 0:
+        raise ValueError(f"{arg}=0 but this call has {local} {what}; pass the global count over the mini-batch")
+    return value
+
+
+def _surrogate(lr, A, keep, eps, dual_clip):
+    """Per-token loss, plus (clipped, dual_clipped) flags, for token log-ratios `lr` (differentiable)."""
+    lr_d = lr.detach()
+    r = torch.exp(lr_d)
+    zero = torch.zeros_like(r)
+    if eps is not None:
+        lo, hi = 1.0 - eps[0], 1.0 + eps[1]
+        clipped = ((A > 0) & (r > hi)) | ((A < 0) & (r < lo))
+        clip_value = -A * r.clamp(lo, hi)
+    else:
+        clipped = torch.zeros_like(keep)
+        clip_value = zero
+    if dual_clip is not None:
+        dual = (A < 0) & ~clipped & keep & (r > dual_clip)
+    else:
+        dual = torch.zeros_like(keep)
+    active = keep & ~clipped & ~dual & (A != 0)
+    const = torch.where(clipped, clip_value, zero)
+    if dual_clip is not None:
+        const = torch.where(dual, -A * dual_clip, const)
+    ratio_active = torch.exp(torch.where(active, lr, torch.zeros_like(lr)))
+    tok = torch.where(active, -A * ratio_active, const)
+    return tok, clipped, dual
+
+
+def _seq_sum(x: Tensor, vt: ValidTokens) -> Tensor:
+    return torch.zeros(vt.num_seqs, dtype=x.dtype, device=x.device).index_add(0, vt.seq, x)
+
+
+def policy_loss(
+    name: str,
+    log_prob: Tensor,
+    behav_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    seq_ids: Tensor | None = None,
+    loss_agg_mode: str | None = None,
+    num_tokens: int | float | Tensor | None = None,
+    num_seqs: int | float | Tensor | None = None,
+    keep_mask: Tensor | None = None,
+    tau: float = 0.04,
+    rule: str = "remove",
+    eps_low: float | None = None,
+    eps_high: float | None = None,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Loss to minimise (a 0-d tensor with grad through log_prob) and float metrics for logging.
+
+    Args:
+        name: "m2po", "grpo", "grpo_notr" or "gspo".
+        log_prob: log pi_theta of the sampled tokens (with grad); padded [B, T] or flat [N].
+        behav_log_prob: log pi_behav of the same tokens (the policy that generated them); not differentiated.
+        advantages: per-token advantages of the same shape; for padded inputs [B, 1] is broadcast.
+        mask: valid tokens (bool or 0/1), same shape as log_prob.
+        seq_ids: flat inputs only: integer sequence id per token [N]; needed for gspo and seq-mean modes.
+        loss_agg_mode: "token-mean" (sum over valid tokens / num_tokens; the paper's; masked tokens stay in
+            the denominator), "seq-mean-token-mean" or "seq-mean-token-sum" (/ num_seqs). Default:
+            token-mean, and seq-mean-token-mean for gspo.
+        num_tokens, num_seqs: the denominators. Default: the valid tokens / sequences of this call. Pass the
+            counts of the whole optimizer mini-batch over all micro-batches and data-parallel ranks (see
+            distributed.global_m2po_keep_masks / global_token_counts) so that the sum of the per-micro-batch,
+            per-rank losses is the full-batch loss and its gradient. For seq-mean modes every sequence must
+            lie entirely inside one call.
+        keep_mask: m2po only: an externally computed keep mask (e.g. the mini-batch-wide mask from
+            distributed.global_m2po_keep_masks), same shape. If None the mask is computed over this call's
+            tokens (the released code's per-micro-batch scope).
+        tau, rule: the M2PO bound and rule when keep_mask is None (see mask.m2po_keep_mask).
+        eps_low, eps_high: PPO clip range for grpo (default 0.2, 0.2) and gspo (default 3e-4, 4e-4).
+        dual_clip: c > 1: tokens with A < 0 and ratio > c get a constant loss -A*c (zero gradient). Any loss.
+
+    Returns:
+        (loss, metrics). Metric keys: loss, m2po/m2_before, m2po/m2_after, m2po/masked_frac,
+        m2po/num_trust_region, clip_frac, dual_clip_frac, ratio/mean, ratio/min, ratio/max, kl/k1, kl/k3,
+        count/tokens, count/kept_trust_region (and count/seqs when sequences are known). kl/k1 and kl/k3
+        estimate KL(pi_behav || pi_theta) from the behaviour samples: k1 = -log r, k3 = r - 1 - log r.
+        M2 diagnostics are reported for every loss (for non-m2po losses nothing is masked). Combine the
+        dicts of several micro-batches with metrics.reduce_metrics, of several ranks with
+        distributed.all_reduce_metrics.
+    """
+    where = f"policy_loss({name!r})"
+    if name not in LOSSES:
+        raise ValueError(f"name must be one of {LOSSES}, got {name!r}")
+    agg = loss_agg_mode or DEFAULT_AGG[name]
+    if agg not in AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {agg!r}")
+    if keep_mask is not None and name != "m2po":
+        raise ValueError(f"keep_mask applies to the m2po loss only, not {name!r}")
+    if dual_clip is not None and not (float(dual_clip) > 1.0):
+        raise ValueError(f"dual_clip must be > 1 (e.g. 3.0) or None, got {dual_clip!r}")
+    if name in DEFAULT_EPS:
+        d_lo, d_hi = DEFAULT_EPS[name]
+        eps = (d_lo if eps_low is None else float(eps_low), d_hi if eps_high is None else float(eps_high))
+        if not (0 <= eps[0] < 1 and eps[1] >= 0):
+            raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps[0]}, eps_high={eps[1]}")
+    else:
+        if eps_low is not None or eps_high is not None:
+            raise ValueError(f"eps_low/eps_high apply to grpo and gspo; {name!r} has no epsilon clip")
+        eps = None
+    if name == "m2po" and keep_mask is None:
+        check_tau_rule(tau, rule)
+
+    mask = as_bool_mask(mask, "mask")
+    if log_prob.dim() == 2 and advantages.dim() == 2 and advantages.shape[1] == 1:
+        advantages = advantages.expand_as(log_prob)
+    if advantages.dim() != log_prob.dim():
+        raise ValueError(
+            f"{where}: advantages has shape {tuple(advantages.shape)}, log_prob {tuple(log_prob.shape)}; "
+            f"broadcast per-sequence advantages to tokens (adv[:, None] padded, adv[seq_ids] flat)"
+        )
+    check_same_shape("log_prob", log_prob, behav_log_prob=behav_log_prob, advantages=advantages, mask=mask,
+                     keep_mask=keep_mask)
+    check_finite(where, mask, log_prob=log_prob.detach(), behav_log_prob=behav_log_prob, advantages=advantages)
+
+    vt = valid_tokens(mask, seq_ids, where)
+    needs_seqs = name == "gspo" or agg != "token-mean"
+    if needs_seqs and vt.num_seqs < 0:
+        raise ValueError(f"{where}: flat inputs need seq_ids for gspo and seq-mean aggregation (loss_agg_mode={agg!r})")
+    dtype = compute_dtype(log_prob, behav_log_prob)
+    lp = vt.take(log_prob).to(dtype)
+    blp = vt.take(behav_log_prob).detach().to(dtype)
+    A = vt.take(advantages).detach().to(dtype)
+    lr = lp - blp
+    lr_d = lr.detach()
+    n = lr.numel()
+
+    tr = ((A > 0) & (lr_d > 0)) | ((A < 0) & (lr_d < 0))
+    if name == "m2po":
+        if keep_mask is not None:
+            keep = vt.take(as_bool_mask(keep_mask, "keep_mask"))
+        else:
+            keep = torch.ones_like(tr)
+            idx = tr.nonzero().squeeze(-1)
+            keep[idx] = keep_trust_region_values(lr_d[idx], tau, rule)
+    else:
+        keep = torch.ones_like(tr)
+
+    if name == "gspo":
+        seq_len = _seq_sum(torch.ones_like(lr_d), vt)
+        seq_lr = _seq_sum(lr, vt) / seq_len
+        tok, clipped, dual = _surrogate(seq_lr[vt.seq], A, keep, eps, dual_clip)
+    else:
+        tok, clipped, dual = _surrogate(lr, A, keep, eps, dual_clip)
+
+    if agg == "token-mean":
+        denom = _denominator(num_tokens, n, "valid tokens", "num_tokens")
+        total = tok.sum()
+    else:
+        denom = _denominator(num_seqs, vt.num_seqs, "sequences", "num_seqs")
+        per_seq = _seq_sum(tok, vt)
+        if agg == "seq-mean-token-mean":
+            per_seq = per_seq / _seq_sum(torch.ones_like(lr_d), vt)
+        total = per_seq.sum()
+    loss = total / denom if denom > 0 else total * 0.0
+
+    metrics = _metrics(loss, lr_d, tr, keep, clipped, dual, vt)
+    return loss, metrics
+
+
+@torch.no_grad()
+def _metrics(loss, lr, tr, keep, clipped, dual, vt: ValidTokens) -> dict[str, float]:
+    n = lr.numel()
+    v = lr.to(torch.float64).square()
+    kept_tr = tr & keep
+    r = torch.exp(lr).to(torch.float64)
+    lr64 = lr.to(torch.float64)
+    if n:
+        rmin, rmax = r.min(), r.max()
+    else:
+        rmin = rmax = torch.tensor(math.nan, dtype=torch.float64, device=lr.device)
+    stats = torch.stack([
+        loss.detach().to(torch.float64),
+        (v * tr).sum(), tr.sum().to(torch.float64),
+        (v * kept_tr).sum(), kept_tr.sum().to(torch.float64),
+        (~keep).sum().to(torch.float64), clipped.sum().to(torch.float64), dual.sum().to(torch.float64),
+        r.sum(), rmin, rmax, (-lr64).sum(), (r - 1 - lr64).sum(),
+    ]).tolist()
+    (loss_v, sv, nt, sv_kept, n_kept, n_masked, n_clip, n_dual, rsum, rmin, rmax, k1, k3) = stats
+
+    def mean(s, c):
+        return s / c if c > 0 else 0.0
+
+    out = {
+        "loss": loss_v,
+        "m2po/m2_before": mean(sv, nt),
+        "m2po/m2_after": mean(sv_kept, n_kept),
+        "m2po/masked_frac": mean(n_masked, n),
+        "m2po/num_trust_region": nt,
+        "clip_frac": mean(n_clip, n),
+        "dual_clip_frac": mean(n_dual, n),
+        "ratio/mean": mean(rsum, n),
+        "ratio/min": rmin if n else math.inf,
+        "ratio/max": rmax if n else -math.inf,
+        "kl/k1": mean(k1, n),
+        "kl/k3": mean(k3, n),
+        "count/tokens": float(n),
+        "count/kept_trust_region": n_kept,
+    }
+    if vt.num_seqs >= 0:
+        out["count/seqs"] = float(vt.num_seqs)
+    return out

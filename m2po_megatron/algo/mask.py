@@ -1,0 +1,146 @@
+"""The M2PO token mask: Algorithm 1 of the paper ("remove") and the released code's capped clip ("cap").
+
+Notation (per valid token i): l_i = log pi_theta - log pi_behav (the log-ratio), A_i its advantage,
+v_i = l_i^2. Trust-region tokens T = {A > 0 and l > 0} u {A < 0 and l < 0}; M2 = mean_{i in T} v_i.
+
+remove (Algorithm 1): while M2 over the remaining T exceeds tau, drop the remaining T token with the largest
+  v. Since dropping the largest value can only lower the mean, the greedy loop keeps exactly the m* smallest
+  values of T, where m* = max{m in 0..|T| : v_(1) + ... + v_(m) <= tau * m} (v_(k) ascending). One stable
+  sort + one cumulative sum finds m*, with no loop and no host sync. Ties: among equal values the token that
+  comes later in the batch order (row-major valid tokens; micro-batches in order; ranks in group order) is
+  dropped first, in one process or many.
+
+cap (released code, verl fork): if M2 <= tau (+1e-12) nothing is bounded. Otherwise find the first sorted
+  index k with sum_i min(v_i, v_(k)) >= tau*|T| (- 1e-12), take the bound c^2 = v_(k-1) - 1e-12 (c = 0 when
+  k = 0 or tau*|T| <= 1e-12) and apply a PPO clip with ratio bounds [e^-c, e^c]. Its zero-gradient set is
+  the T tokens with v > c^2, which always contains the remove set (c^2 < v_(m*+1)); on tokens both keep the
+  gradients agree (r*A). The released code works in float32 ratio space; here the same set is computed in
+  float64 log space, so rounding can differ only for tokens within ~1e-7 relative of the bound.
+
+Values are squared in float64 (exact for float32 log-ratios), so sums compare deterministically and the
+distributed version (distributed.py) reproduces the single-process mask bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from m2po_megatron.algo._layout import as_bool_mask, check_finite, check_same_shape
+
+Tensor = torch.Tensor
+
+RULES = ("remove", "cap")
+CAP_TOL = 1e-12  # the tolerance the released code uses in its comparisons
+
+
+def check_tau_rule(tau: float, rule: str) -> None:
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau >= 0):
+        raise ValueError(f"tau must be a finite number >= 0 (the paper uses 0.04), got {tau!r}")
+
+
+def trust_region(log_ratio: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
+    """Bool tensor: valid tokens in the two trust-region quadrants (A > 0 and r > 1) or (A < 0 and r < 1)."""
+    return mask & (((advantages > 0) & (log_ratio > 0)) | ((advantages < 0) & (log_ratio < 0)))
+
+
+def _squares(tr_log_ratio: Tensor) -> Tensor:
+    # float64 square of a float32 value is exact (24-bit mantissa -> 48 bits).
+    return tr_log_ratio.to(torch.float64).square()
+
+
+def remove_keep_count(sorted_v: Tensor, tau: float) -> Tensor:
+    """m* for ascending float64 values: the largest m with sum of the m smallest <= tau * m (0-d tensor)."""
+    n = sorted_v.numel()
+    if n == 0:
+        return torch.zeros((), dtype=torch.long, device=sorted_v.device)
+    prefix = torch.cumsum(sorted_v, 0)
+    m = torch.arange(1, n + 1, device=sorted_v.device)
+    ok = prefix <= tau * m.to(torch.float64)
+    # The greedy loop stops at the first (largest) m that satisfies the bound; take the max, not the count,
+    # so the result is the greedy one even if rounding made the prefix means non-monotone.
+    return torch.where(ok, m, torch.zeros_like(m)).max()
+
+
+def cap_bound_sq(sorted_v: Tensor, tau: float) -> Tensor:
+    """The released code's squared bound c^2 for ascending float64 values (0-d; +inf = no bound)."""
+    n = sorted_v.numel()
+    dev = sorted_v.device
+    if n == 0:
+        return torch.tensor(math.inf, dtype=torch.float64, device=dev)
+    prefix = torch.cumsum(sorted_v, 0)
+    total = prefix[-1]
+    target = tau * n
+    # f_k = sum_i min(v_i, v_(k)) = prefix_k + (n - k - 1) * v_(k); non-decreasing in k.
+    rest = torch.arange(n - 1, -1, -1, device=dev, dtype=torch.float64)
+    f = prefix + rest * sorted_v
+    reached = f >= target - CAP_TOL
+    k = torch.argmax(reached.to(torch.int8))  # first index where reached (f_{n-1} = total > target here)
+    below = sorted_v[(k - 1).clamp(min=0)] - CAP_TOL
+    c2 = torch.where(k == 0, torch.zeros_like(below), below)
+    if target <= CAP_TOL:  # tau = 0 with M2 > 0: bound at ratio 1 (the released code would crash here)
+        c2 = torch.zeros_like(c2)
+    no_bound = (total / n <= tau + CAP_TOL) | (target >= total - CAP_TOL)
+    return torch.where(no_bound, torch.full_like(c2, math.inf), c2)
+
+
+def keep_trust_region_values(tr_log_ratio: Tensor, tau: float, rule: str = "remove") -> Tensor:
+    """Keep flags for the trust-region tokens, given their log-ratios in batch order (1-D).
+
+    This is the whole decision; m2po_keep_mask and the distributed version both call it on the values
+    of T in batch order, which is why they agree exactly.
+    """
+    check_tau_rule(tau, rule)
+    v = _squares(tr_log_ratio.reshape(-1))
+    n = v.numel()
+    if n == 0:
+        return torch.ones(0, dtype=torch.bool, device=v.device)
+    if rule == "cap":
+        sorted_v = torch.sort(v).values
+        return v <= cap_bound_sq(sorted_v, tau)
+    sorted_v, order = torch.sort(v, stable=True)
+    keep_sorted = torch.arange(n, device=v.device) < remove_keep_count(sorted_v, tau)
+    keep = torch.empty_like(keep_sorted)
+    keep[order] = keep_sorted
+    return keep
+
+
+def m2po_keep_mask(
+    log_ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    tau: float = 0.04,
+    rule: str = "remove",
+) -> Tensor:
+    """M2PO keep mask over one batch (the tokens given here are the whole batch).
+
+    Args:
+        log_ratio: log pi_theta - log pi_behav per token, padded [B, T] or flat [N] (any float dtype; bf16 and
+            fp16 are computed in float32). Not differentiated.
+        advantages: per-token advantages, same shape (broadcast per-sequence advantages first).
+        mask: valid tokens (bool or 0/1), same shape.
+        tau: bound on the second moment M2 of the trust-region log-ratios (paper: 0.04).
+        rule: "remove" (Algorithm 1, exact) or "cap" (the released code's zero-gradient set); see module doc.
+
+    Returns:
+        bool tensor of the same shape: True where the token is valid and not dropped.
+
+    For the batch-level mask over micro-batches and data-parallel ranks use
+    m2po_megatron.algo.distributed.global_m2po_keep_masks.
+    """
+    check_tau_rule(tau, rule)
+    mask = as_bool_mask(mask, "mask")
+    check_same_shape("log_ratio", log_ratio, advantages=advantages, mask=mask)
+    check_finite("m2po_keep_mask", mask, log_ratio=log_ratio, advantages=advantages)
+    with torch.no_grad():
+        lr = log_ratio.detach()
+        if lr.dtype in (torch.float16, torch.bfloat16):
+            lr = lr.float()
+        tr = trust_region(lr, advantages.detach(), mask).reshape(-1)
+        idx = tr.nonzero().squeeze(-1)
+        keep = mask.reshape(-1).clone()
+        keep[idx] = keep_trust_region_values(lr.reshape(-1)[idx], tau, rule)
+        return keep.reshape(mask.shape)
