@@ -1,0 +1,631 @@
+"""MegatronActor: one trainer rank (megatron-core): model, optimizer, log-probs, train step, checkpoints.
+
+One process per rank, launched with torchrun-style env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+LOCAL_RANK) by tests/benchmarks (actor.launch) or by Ray. Every rank receives the same full batch; the
+actor shards it over data-parallel ranks deterministically (packing.shard_for_dp) and packs each rank's
+sequences into micro-batches by a token budget (packing.plan_microbatches).
+
+Gradient scaling: megatron's schedule divides each micro-batch loss by the local number of micro-batches
+and DDP averages over data-parallel ranks. Every micro-batch loss here is already normalised by the
+*global* mini-batch denominators (token or sequence counts over all ranks), so the loss handed to Megatron
+is multiplied by (local micro-batches x DP size) to undo both: the resulting gradient is exactly the
+gradient of the global mini-batch loss.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from functools import partial
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from .batch import TrainBatch
+from .logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
+from .packing import MicroBatch, plan_microbatches, shard_for_dp, split_minibatches
+from .precision import probe_machine, resolve_precision
+
+log = logging.getLogger(__name__)
+
+LR_DECAY_STYLES = ("constant", "cosine", "linear")
+M2PO_SCOPES = ("minibatch", "microbatch")
+
+
+class MegatronActor:
+    """A megatron-core trainer rank. See docs/actor.md for the full contract.
+
+    Args:
+        hf_model_dir: HF model directory (config.json; weights are read from it when load_from is None and
+            it holds *.safetensors). Either this or hf_config is required.
+        hf_config: an HF config (dict / PretrainedConfig / config.json path) when hf_model_dir is absent.
+        load_from: initial weights: an HF model directory or a Megatron dist checkpoint directory (model
+            weights only; use load() to resume optimizer/scheduler/RNG). None: hf_model_dir's weights if
+            present, else Megatron's random init (tests).
+        tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel,
+        virtual_pipeline_model_parallel_size, context_parallel_size: Megatron's parallel settings. Data
+            parallel size = WORLD_SIZE / (TP * PP * CP).
+        use_distributed_optimizer: shard optimizer state over data-parallel ranks (Megatron's ZeRO-1).
+        precision: "fp32" (CPU) or "bf16" (GPU; fp32 main params and grads). fp8: None | "e4m3" | "hybrid"
+            with fp8_recipe "delayed" | "tensorwise" | "blockwise" | "mxfp8" (Transformer Engine, GPU).
+        optimizer: "adam" (AdamW: decoupled weight decay) or "sgd". lr, min_lr, lr_warmup_steps,
+            lr_decay_steps, lr_decay_style ("constant" | "cosine" | "linear"), weight_decay, adam_beta1,
+            adam_beta2, adam_eps, clip_grad (0 = off). Scheduler steps count optimizer updates.
+        micro_batch_tokens: token budget of one packed micro-batch (a row of several sequences).
+        loss_name: a loss of m2po_megatron.algo.losses (e.g. "m2po", "grpo"); loss_kwargs: its options.
+        m2po_tau, m2po_rule ("remove" | "cap"), m2po_scope: "minibatch" (the paper's batch-level mask over
+            the whole optimizer mini-batch across DP ranks, from a no-grad forward at the current weights)
+            or "microbatch" (per micro-batch mask inside the loss, no extra forward; the released code).
+        seed: Megatron's model-parallel RNG seed.
+    """
+
+    def __init__(
+        self,
+        hf_model_dir: Optional[str] = None,
+        *,
+        hf_config: Any = None,
+        load_from: Any = None,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: Optional[int] = None,
+        context_parallel_size: int = 1,
+        sequence_parallel: bool = False,
+        use_distributed_optimizer: bool = True,
+        precision: str = "fp32",
+        fp8: Optional[str] = None,
+        fp8_recipe: Optional[str] = None,
+        optimizer: str = "adam",
+        lr: float = 1e-6,
+        min_lr: float = 0.0,
+        lr_warmup_steps: int = 0,
+        lr_decay_steps: Optional[int] = None,
+        lr_decay_style: str = "constant",
+        weight_decay: float = 0.01,
+        adam_beta1: float = 0.9,
+        adam_beta2: float = 0.999,
+        adam_eps: float = 1e-8,
+        clip_grad: float = 1.0,
+        micro_batch_tokens: int = 8192,
+        loss_name: str = "m2po",
+        loss_kwargs: Optional[dict] = None,
+        m2po_tau: float = 0.04,
+        m2po_rule: str = "remove",
+        m2po_scope: str = "minibatch",
+        seed: int = 1234,
+    ):
+        # ---- cheap checks first (before any distributed or model work) ----
+        if hf_model_dir is None and hf_config is None:
+            raise ValueError("MegatronActor needs hf_model_dir or hf_config (the model architecture)")
+        if context_parallel_size != 1:
+            raise NotImplementedError("context_parallel_size > 1 is not supported yet (packed rows would need "
+                                      "per-sequence CP splitting); use tensor/pipeline/data parallelism")
+        if (virtual_pipeline_model_parallel_size or 1) > 1:
+            raise NotImplementedError("virtual pipeline parallelism is not supported by MegatronActor yet; "
+                                      "set virtual_pipeline_model_parallel_size=None")
+        if optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer={optimizer!r}: use 'adam' (AdamW) or 'sgd'")
+        if lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"lr_decay_style={lr_decay_style!r}: use one of {LR_DECAY_STYLES}")
+        if lr_decay_style != "constant" and not lr_decay_steps:
+            raise ValueError(f"lr_decay_style={lr_decay_style!r} needs lr_decay_steps (total optimizer updates)")
+        if m2po_scope not in M2PO_SCOPES:
+            raise ValueError(f"m2po_scope={m2po_scope!r}: use one of {M2PO_SCOPES}")
+        if micro_batch_tokens < 2:
+            raise ValueError(f"micro_batch_tokens={micro_batch_tokens} must be >= 2")
+        from m2po_megatron.algo import losses as algo_losses
+
+        known = getattr(algo_losses, "LOSSES", None)
+        if known is not None and loss_name not in known:
+            raise ValueError(f"loss_name={loss_name!r}: use one of {sorted(known)}")
+        cuda, te, cc = probe_machine()
+        self.precision = resolve_precision(precision, fp8, fp8_recipe, cuda=cuda, te_available=te,
+                                           compute_capability=cc)
+        from m2po_megatron.models.hf_config import read_hf_config
+
+        self.hf_source = hf_model_dir if hf_model_dir is not None else hf_config
+        self.spec = read_hf_config(self.hf_source)
+        from m2po_megatron.models.builder import validate_layout
+
+        validate_layout(self.spec, tensor_model_parallel_size, pipeline_model_parallel_size)
+
+        self.loss_name = loss_name
+        self.loss_kwargs = dict(loss_kwargs or {})
+        self.m2po_tau, self.m2po_rule, self.m2po_scope = float(m2po_tau), m2po_rule, m2po_scope
+        self.micro_batch_tokens = int(micro_batch_tokens)
+        self.updates_applied = 0
+
+        # ---- distributed state ----
+        from .parallel import init_distributed
+
+        self.dp_size = init_distributed(tensor_model_parallel_size=tensor_model_parallel_size,
+                                        pipeline_model_parallel_size=pipeline_model_parallel_size,
+                                        context_parallel_size=context_parallel_size, seed=seed)
+        from megatron.core import parallel_state as ps
+
+        self.ps = ps
+        self.tp_size = tensor_model_parallel_size
+        self.pp_size = pipeline_model_parallel_size
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.is_last_stage = ps.is_pipeline_last_stage()
+
+        # ---- model ----
+        from m2po_megatron.models.builder import build_model_chunks, transformer_config_from_hf
+
+        pr = self.precision
+        self.config = transformer_config_from_hf(
+            self.spec, params_dtype=pr.transformer_overrides()["params_dtype"],
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
+            fp8=pr.fp8, fp8_recipe=pr.fp8_recipe)
+        self.use_te = bool(cuda and te)
+        chunks = build_model_chunks(self.spec, self.config, use_te=self.use_te)
+        # Row lengths must divide by TP for sequence parallelism.
+        self.pad_multiple = self.tp_size if self.config.sequence_parallel else 1
+        # Initial weights go into the bare chunks, before DDP / the optimizer copy them into their buffers.
+        src = load_from
+        if src is None and hf_model_dir is not None and _has_hf_weights(hf_model_dir):
+            src = hf_model_dir
+        if src is not None:
+            self._load_initial_weights(chunks, src)
+
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+            use_distributed_optimizer=use_distributed_optimizer, check_for_nan_in_grad=True,
+            bucket_size=None)
+        self.model = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=c) for c in chunks]
+
+        # ---- optimizer + scheduler ----
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        bf16 = pr.params_dtype == "bf16"
+        self.opt_config = OptimizerConfig(
+            optimizer=optimizer, lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=adam_beta1,
+            adam_beta2=adam_beta2, adam_eps=adam_eps, clip_grad=clip_grad, bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=use_distributed_optimizer)
+        self.optimizer = get_megatron_optimizer(self.opt_config, self.model)
+        decay_steps = int(lr_decay_steps or max(1, lr_warmup_steps) + 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if lr_warmup_steps else lr, max_lr=lr, min_lr=min_lr,
+            lr_warmup_steps=int(lr_warmup_steps), lr_decay_steps=max(decay_steps, int(lr_warmup_steps) + 1),
+            lr_decay_style=lr_decay_style, start_wd=weight_decay, end_wd=weight_decay,
+            wd_incr_steps=max(1, decay_steps), wd_incr_style="constant")
+
+        from megatron.core.distributed import finalize_model_grads
+
+        self.config.no_sync_func = self.model[0].no_sync
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+
+
+    # ------------------------------------------------------------------ weights
+    def _load_initial_weights(self, chunks: list, src: Any) -> None:
+        from megatron.core import dist_checkpointing
+
+        from m2po_megatron.models import load_hf_weights
+
+        if isinstance(src, (str, os.PathLike)):
+            src = os.fspath(src)
+            if dist_checkpointing.check_is_distributed_checkpoint(src):
+                sd = {"model": chunks[0].sharded_state_dict()}
+                loaded = dist_checkpointing.load(sd, src, strict=_strict_assume_ok())
+                chunks[0].load_state_dict(loaded["model"])
+                return
+            if not _has_hf_weights(src):
+                raise FileNotFoundError(f"load_from={src!r} is neither an HF model directory with *.safetensors "
+                                        "nor a Megatron dist checkpoint (metadata.json)")
+        # HF directory, or an in-memory transformers model / {hf_name: tensor} dict (tests)
+        load_hf_weights(chunks, src, self.spec)
+
+    def _unwrapped(self) -> list:
+        return [m.module for m in self.model]
+
+    def model_chunks(self) -> list:
+        """The bare GPTModel chunks of this rank (for the export iterator / weight sync)."""
+        return self._unwrapped()
+
+    @torch.no_grad()
+    def gather_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model under HF names on every rank (CPU tensors), built with the models helper's table.
+        Gathers everything: for tests and small models; weight sync uses the streaming export iterator."""
+        from m2po_megatron.models.loading import global_named_parameters
+        from m2po_megatron.models.weights import rule_for, to_hf, tp_split_dim
+
+        local: dict[str, torch.Tensor] = {}
+        for chunk in self._unwrapped():
+            for name, p in global_named_parameters(chunk):
+                rule, layer = rule_for(self.spec, name)
+                t = p.detach()
+                if tp_split_dim(rule) is None or self.tp_size == 1:
+                    shards = [t]
+                else:
+                    shards = [torch.empty_like(t) for _ in range(self.tp_size)]
+                    dist.all_gather(shards, t.contiguous(), group=self.tp_group)
+                for k, v in to_hf(self.spec, rule, shards, layer):
+                    local.setdefault(k, v.float().cpu().clone())
+        if self.pp_size == 1:
+            return local
+        parts: list = [None] * self.pp_size
+        dist.all_gather_object(parts, local, group=self.pp_group)
+        out: dict[str, torch.Tensor] = {}
+        for part in parts:
+            for k, v in part.items():
+                out.setdefault(k, v)
+        return out
+
+    # ------------------------------------------------------------------ forward plumbing
+    def _mb_inputs(self, mb: MicroBatch):
+        tokens, pos = mb.tokens, mb.position_ids
+        if self.use_te:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            cu = mb.cu_seqlens()
+            dev = torch.cuda.current_device()
+            cu = cu.to(dev)
+            maxlen = int((cu[1:] - cu[:-1]).max())
+            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=maxlen,
+                                  max_seqlen_kv=maxlen)
+            return tokens.to(dev), pos.to(dev), None, psp
+        return tokens, pos, mb.attention_mask(), None
+
+    def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool):
+        """Run megatron's schedule over this rank's micro-batches; loss_fn(mb, logits) on the last stage."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator: Iterator, model):
+            mb = next(data_iterator)
+            tokens, pos, mask, psp = self._mb_inputs(mb)
+            out = model(tokens, pos, mask, packed_seq_params=psp)
+            return out, partial(loss_fn, mb)
+
+        fb = get_forward_backward_func()
+        seq_len = max(m.seq_len for m in mbs)
+        return fb(forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
+                  num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=1,
+                  forward_only=forward_only)
+
+    def _token_logps(self, mb: MicroBatch, logits: torch.Tensor, with_entropy: bool):
+        """Response-token log-probs [R] (with grad) and entropy [R] (no grad) from [1, S, V/tp] logits."""
+        pos = mb.logprob_positions.to(logits.device)
+        sel = logits[0].index_select(0, pos)  # [R, V/tp]: only the response positions
+        ent = vocab_parallel_entropy(sel, self.tp_group) if with_entropy else None
+        tgt = mb.labels[0].to(logits.device).index_select(0, pos)
+        return vocab_parallel_log_probs(sel, tgt, self.tp_group), ent
+
+    # ------------------------------------------------------------------ log-probs
+    @torch.no_grad()
+    def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = True):
+        """Per-token log-probs of every response token (and entropy) at the current weights.
+
+        Returns (log_probs, entropy): lists of 1-D fp32 CPU tensors (response length each; entropy None when
+        with_entropy=False), identical on every rank."""
+        batch.validate(for_training=False, vocab_size=self.spec.vocab_size, max_tokens=self.micro_batch_tokens)
+        rl = batch.response_lens
+        offs = [0]
+        for r in rl:
+            offs.append(offs[-1] + r)
+        shard = shard_for_dp(batch.lengths, self.dp_size)[self.dp_rank] if len(batch) >= self.dp_size else (
+            list(range(len(batch))) if self.dp_rank == 0 else [])
+        flat = self._forward_logps(batch, shard, offs, with_entropy)
+        lp = flat[0]
+        ent = flat[1] if with_entropy else None
+        split = lambda t: [t[offs[i]:offs[i + 1]].clone() for i in range(len(batch))]  # noqa: E731
+        return split(lp), (split(ent) if ent is not None else None)
+
+    def _forward_logps(self, batch: TrainBatch, shard: list[int], offs: list[int], with_entropy: bool):
+        """Forward-only over `shard` of `batch`; returns [2, total_response_tokens] (log-prob, entropy) for
+        the whole batch, summed over DP and broadcast from the last stage (zeros where another shard)."""
+        out = torch.zeros(2, offs[-1], dtype=torch.float32)
+        if shard:
+            mbs = plan_microbatches(batch, shard, self.micro_batch_tokens, self.pad_multiple)
+
+            def loss_fn(mb, logits):
+                lp, ent = self._token_logps(mb, logits, with_entropy)
+                lp, ent = lp.float().cpu(), (ent.float().cpu() if ent is not None else None)
+                k = 0
+                for i, r in zip(mb.seq_index, mb.response_lens):
+                    out[0, offs[i]:offs[i] + r] = lp[k:k + r]
+                    if ent is not None:
+                        out[1, offs[i]:offs[i] + r] = ent[k:k + r]
+                    k += r
+                return logits.new_zeros(()), {}
+
+            self._eval_mode()
+            self._run(mbs, loss_fn, forward_only=True)
+        return self._share(out)
+
+    def _share(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over DP (disjoint shards) on the last stage, then broadcast to every pipeline stage."""
+        dev = _comm_device()
+        t = t.to(dev)
+        if self.is_last_stage and self.dp_size > 1:
+            dist.all_reduce(t, group=self.dp_group)
+        if self.pp_size > 1:
+            dist.broadcast(t, src=self.ps.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
+        return t.cpu()
+
+    def _eval_mode(self):
+        for m in self.model:
+            m.eval()
+
+    def _train_mode(self):
+        for m in self.model:
+            m.train()
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch: TrainBatch, num_minibatches: int = 1) -> dict:
+        """Split `batch` into num_minibatches contiguous optimizer mini-batches and apply one update per
+        mini-batch. Returns metrics identical on every rank (see docs/actor.md for the keys)."""
+        batch.validate(for_training=True, vocab_size=self.spec.vocab_size, max_tokens=self.micro_batch_tokens)
+        minis = split_minibatches(len(batch), num_minibatches)
+        for mi in minis:
+            if len(mi) < self.dp_size:
+                raise ValueError(f"a mini-batch of {len(mi)} sequences cannot feed {self.dp_size} data-parallel "
+                                 f"ranks: lower num_minibatches ({num_minibatches}) or send a larger batch")
+        per_update = []
+        for mi in minis:
+            per_update.append(self._train_minibatch(batch.select(mi)))
+        return _combine_updates(per_update, self.updates_applied)
+
+    def _train_minibatch(self, mb_batch: TrainBatch) -> dict:
+        from m2po_megatron.algo import losses as algo_losses
+
+        lengths = mb_batch.lengths
+        shard = shard_for_dp(lengths, self.dp_size)[self.dp_rank]
+        rl = mb_batch.response_lens
+        global_tokens = sum(rl)
+        global_seqs = len(mb_batch)
+        mbs = plan_microbatches(mb_batch, shard, self.micro_batch_tokens, self.pad_multiple)
+        n_local = len(mbs)
+
+        keep_masks: dict[int, torch.Tensor] = {}
+        mask_stats: dict[str, float] = {}
+        use_global_mask = self.loss_name == "m2po" and self.m2po_scope == "minibatch"
+        if use_global_mask:
+            keep_masks, mask_stats = self._global_keep_masks(mb_batch, shard, mbs)
+
+        mb_metrics: list[dict] = []
+        extra = {"entropy_sum": 0.0, "tokens": 0.0}
+
+        def loss_fn(mb: MicroBatch, logits):
+            logp, ent = self._token_logps(mb, logits, with_entropy=True)
+            dev = logp.device
+            behav = torch.cat([mb_batch.behav_log_probs[i] for i in mb.seq_index]).to(dev, torch.float32)
+            adv = torch.cat([mb_batch.token_advantages(i) for i in mb.seq_index]).to(dev)
+            seq_ids = torch.cat([torch.full((r,), k, dtype=torch.long)
+                                 for k, r in enumerate(mb.response_lens)]).to(dev)
+            mask = torch.ones_like(logp, dtype=torch.bool)
+            kw = dict(self.loss_kwargs)
+            if self.loss_name == "m2po":
+                if use_global_mask:
+                    kw["keep_mask"] = keep_masks[id(mb)].to(dev)
+                else:
+                    kw.setdefault("tau", self.m2po_tau)
+                    kw.setdefault("rule", self.m2po_rule)
+            loss, metrics = algo_losses.policy_loss(
+                self.loss_name, logp, behav, adv, mask, seq_ids=seq_ids, num_tokens=global_tokens,
+                num_seqs=global_seqs, **kw)
+            mb_metrics.append(metrics)
+            extra["entropy_sum"] += float(ent.sum())
+            extra["tokens"] += float(logp.numel())
+            return loss * (n_local * self.dp_size), {}
+
+        self._train_mode()
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._run(mbs, loss_fn, forward_only=False)
+        lr_used = float(self.optimizer.param_groups[0]["lr"])
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+            self.updates_applied += 1
+
+        out = self._reduce_loss_metrics(mb_metrics, extra, mask_stats)
+        out.update({
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "lr": lr_used,
+            "update_successful": bool(ok),
+            "num_seqs": global_seqs,
+            "num_tokens": global_tokens,
+        })
+        return out
+
+    def _reduce_loss_metrics(self, mb_metrics: list[dict], extra: dict, mask_stats: dict) -> dict:
+        """Combine the algo metrics of this rank's micro-batches, then over DP ranks (exact weighted means,
+        sums, min/max via algo.metrics partials), then send the result to every pipeline stage."""
+        from m2po_megatron.algo.metrics import from_partials, to_partials
+
+        result = None
+        if self.is_last_stage:
+            sums: dict[str, float] = {}
+            mins: dict[str, float] = {}
+            maxes: dict[str, float] = {}
+            for d in mb_metrics:
+                s_, lo, hi = to_partials(d)
+                for k, v in s_.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                for k, v in lo.items():
+                    mins[k] = min(mins.get(k, math.inf), v)
+                for k, v in hi.items():
+                    maxes[k] = max(maxes.get(k, -math.inf), v)
+            sums["_entropy_sum"] = extra["entropy_sum"]
+            sums["_mb"] = float(len(mb_metrics))
+            ks, kmin, kmax = sorted(sums), sorted(mins), sorted(maxes)
+            t_sum = torch.tensor([sums[k] for k in ks], dtype=torch.float64)
+            t_min = torch.tensor([mins[k] for k in kmin], dtype=torch.float64)
+            t_max = torch.tensor([maxes[k] for k in kmax], dtype=torch.float64)
+            if self.dp_size > 1:
+                dev = _comm_device()
+                t_sum, t_min, t_max = t_sum.to(dev), t_min.to(dev), t_max.to(dev)
+                dist.all_reduce(t_sum, group=self.dp_group)
+                if t_min.numel():
+                    dist.all_reduce(t_min, op=dist.ReduceOp.MIN, group=self.dp_group)
+                if t_max.numel():
+                    dist.all_reduce(t_max, op=dist.ReduceOp.MAX, group=self.dp_group)
+            sums = dict(zip(ks, t_sum.cpu().tolist()))
+            ent, n_mb = sums.pop("_entropy_sum"), sums.pop("_mb")
+            result = from_partials(sums, dict(zip(kmin, t_min.cpu().tolist())),
+                                   dict(zip(kmax, t_max.cpu().tolist())))
+            result["entropy"] = ent / max(result.get("count/tokens", 0.0), 1.0)
+            result["num_microbatches"] = int(n_mb)
+            result.update(mask_stats)
+        if self.pp_size > 1:
+            box = [result]
+            dist.broadcast_object_list(box, src=self.ps.get_pipeline_model_parallel_last_rank(),
+                                       group=self.pp_group)
+            result = box[0]
+        return result
+
+    def _global_keep_masks(self, mb_batch: TrainBatch, shard: list[int], mbs: list[MicroBatch]):
+        """No-grad forward at the current weights, then the M2PO mask over the whole mini-batch across DP
+        ranks (algo.distributed). Returns ({id(micro-batch): keep[R_mb]}, stats)."""
+        from m2po_megatron.algo import distributed as algo_dist
+
+        cur: dict[int, torch.Tensor] = {}
+
+        def loss_fn(mb, logits):
+            lp, _ = self._token_logps(mb, logits, with_entropy=False)
+            cur[id(mb)] = lp.detach().float()
+            return logits.new_zeros(()), {}
+
+        self._eval_mode()
+        self._run(mbs, loss_fn, forward_only=True)
+        if not self.is_last_stage:
+            return {}, {}
+        log_ratios, advs, masks = [], [], []
+        for mb in mbs:
+            behav = torch.cat([mb_batch.behav_log_probs[i] for i in mb.seq_index]).to(cur[id(mb)].device)
+            log_ratios.append(cur[id(mb)] - behav.float())
+            advs.append(torch.cat([mb_batch.token_advantages(i) for i in mb.seq_index]).to(behav.device))
+            masks.append(torch.ones_like(log_ratios[-1], dtype=torch.bool))
+        res = algo_dist.global_m2po_keep_masks(log_ratios, advs, masks, tau=self.m2po_tau, rule=self.m2po_rule,
+                                               scope="minibatch", group=self.dp_group)
+        stats = {"m2po_global/num_trust_region": res.num_trust_region, "m2po_global/num_dropped": res.num_dropped,
+                 "m2po_global/m2_before": res.m2_before, "m2po_global/m2_after": res.m2_after}
+        return {id(mb): k for mb, k in zip(mbs, res.keep_masks)}, stats
+
+    # ------------------------------------------------------------------ checkpoints
+    def _sharded_state_dict(self, is_loading: bool) -> dict:
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        chunks = self._unwrapped()
+        model_sd = chunks[0].sharded_state_dict()
+        sd: dict[str, Any] = {"model": model_sd}
+        meta = {"distrib_optim_sharding_type": "fully_reshardable"}
+        try:
+            sd["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=meta)
+        except TypeError:  # non-distributed optimizers take no metadata
+            sd["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        sd["opt_param_scheduler"] = self.scheduler.state_dict()
+        sd["updates_applied"] = self.updates_applied
+        ps = self.ps
+        # RNG states per (PP, TP) position; restored only when the layout is unchanged.
+        rng = {"torch": torch.get_rng_state(),
+               "tracker": _rng_tracker_states()}
+        sd["rng_state"] = ShardedObject(
+            "rng_state", rng, (self.pp_size, self.tp_size),
+            (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+            replica_id=self.dp_rank)
+        sd["layout"] = {"tp": self.tp_size, "pp": self.pp_size}
+        return sd
+
+    def save(self, path: str) -> None:
+        """Write a Megatron dist checkpoint (model, optimizer, scheduler, RNG, update count) to `path`.
+        Loadable at another TP/PP/DP layout (RNG is then re-seeded instead of restored)."""
+        from megatron.core import dist_checkpointing
+
+        os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state_dict(is_loading=False), path)
+        dist.barrier()
+
+    def load(self, path: str) -> None:
+        """Resume from save(): model, optimizer, scheduler, update count (and RNG at the same TP/PP)."""
+        from megatron.core import dist_checkpointing
+
+        if not dist_checkpointing.check_is_distributed_checkpoint(path):
+            raise FileNotFoundError(f"{path!r} is not a Megatron dist checkpoint (no metadata.json)")
+        common = dist_checkpointing.load_common_state_dict(path)
+        same_layout = common.get("layout") == {"tp": self.tp_size, "pp": self.pp_size}
+        sd = self._sharded_state_dict(is_loading=True)
+        if not same_layout:
+            sd.pop("rng_state")
+        loaded = dist_checkpointing.load(sd, path)
+        self._unwrapped()[0].load_state_dict(loaded["model"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        self.updates_applied = int(loaded["updates_applied"])
+        if same_layout and "rng_state" in loaded:
+            torch.set_rng_state(loaded["rng_state"]["torch"])
+            _set_rng_tracker_states(loaded["rng_state"]["tracker"])
+
+    def close(self) -> None:
+        """Drop Megatron's parallel state (the process group stays, so another actor can be built)."""
+        if self.ps.model_parallel_is_initialized():
+            self.ps.destroy_model_parallel()
+
+
+# ---------------------------------------------------------------------- helpers
+def _acc(d: dict, k: str, v: float) -> None:
+    d[k] = d.get(k, 0.0) + v
+
+
+def _combine_updates(per_update: list[dict], updates_applied: int) -> dict:
+    """Metrics of a step: means over its updates, except counts (summed) and maxima."""
+    out: dict[str, Any] = {}
+    keys = per_update[0].keys()
+    for k in keys:
+        vals = [u[k] for u in per_update if k in u]
+        if k in ("num_tokens", "num_seqs", "num_microbatches", "m2po_global/num_dropped",
+                 "m2po_global/num_trust_region", "count/tokens", "count/seqs"):
+            out[k] = sum(vals)
+        elif k == "ratio/max":
+            out[k] = max(vals)
+        elif k == "ratio/min":
+            out[k] = min(vals)
+        elif k == "update_successful":
+            continue
+        elif k == "lr":
+            out[k] = vals[-1]
+        else:
+            out[k] = sum(vals) / len(vals)
+    out["num_updates"] = sum(1 for u in per_update if u["update_successful"])
+    out["updates_applied_total"] = updates_applied
+    out["per_update"] = per_update
+    return out
+
+
+def _comm_device():
+    from m2po_megatron.device import device
+
+    return device()
+
+
+def _has_hf_weights(path: str) -> bool:
+    return os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
+
+
+def _strict_assume_ok():
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    return StrictHandling.ASSUME_OK_UNEXPECTED
+
+
+def _rng_tracker_states():
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.get_cuda_rng_tracker().get_states()
+
+
+def _set_rng_tracker_states(states):
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.get_cuda_rng_tracker().set_states(states)

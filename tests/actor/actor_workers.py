@@ -1,0 +1,148 @@
+"""Workers for the multi-process actor tests (imported by spawned children, so no pytest imports here).
+
+Each worker builds tiny random HF models (same seed on every rank), then Megatron actors at several layouts
+in the same processes (the actor can be rebuilt after close()), and returns plain numbers/tensors."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+
+INLINE_QWEN2_UNTIED = {  # always available: written here
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu", "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "attention_dropout": 0.0, "use_sliding_window": False,
+    **TINY,
+}
+SHARED = {  # name -> (dir under ../shared/data/configs, overrides)
+    "qwen2_tied": ("Qwen__Qwen2.5-0.5B", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen__Qwen3-0.6B", {"head_dim": 32}),
+    "llama32": ("meta-llama__Llama-3.2-3B", {"head_dim": 16, "rope_scaling": {
+        "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 16,
+        "rope_type": "llama3"}}),
+}
+
+
+def tiny_config(name: str, shared_dir: str | None = None) -> dict:
+    if name == "qwen2_untied":
+        d = dict(INLINE_QWEN2_UNTIED)
+    else:
+        sub, over = SHARED[name]
+        with open(os.path.join(shared_dir, "data", "configs", sub, "config.json")) as f:
+            d = json.load(f)
+        d.update(TINY)
+        d.update(over)
+    d.pop("layer_types", None)
+    d.pop("rope_parameters", None) if name != "llama32" else None
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        d[k] = None
+    return d
+
+
+def make_hf_model(cfg: dict, seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    config.architectures = cfg["architectures"]
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():  # spread weights so that a wrong mapping shows in the log-probs
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            elif n.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.0, 0.15)
+    return model.eval()
+
+
+def make_batch(n=6, vocab=256, seed=1, min_len=6, max_len=20, behav_noise=0.3, ref_model=None):
+    from m2po_megatron.actor.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    ids, plens = [], []
+    for _ in range(n):
+        L = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        ids.append(torch.randint(0, vocab, (L,), generator=g))
+        plens.append(int(torch.randint(2, 5, (1,), generator=g)))
+    b = TrainBatch(ids, plens)
+    if ref_model is not None:
+        lp, _ = hf_log_probs(ref_model, b)
+        b.behav_log_probs = [x + behav_noise * torch.randn(x.shape, generator=g) for x in lp]
+        b.advantages = torch.randn(n, generator=g)
+    return b
+
+
+@torch.no_grad()
+def hf_log_probs(model, batch):
+    """Reference: each sequence alone through transformers, fp32."""
+    lps, ents = [], []
+    for ids, p in zip(batch.input_ids, batch.prompt_lens):
+        logits = model(ids[None]).logits[0].float()
+        logp = torch.log_softmax(logits, -1)
+        lps.append(logp[p - 1:-1].gather(-1, ids[p:, None]).squeeze(-1))
+        ents.append(-(logp.exp() * logp).sum(-1)[p - 1:-1])
+    return lps, ents
+
+
+def _maxdiff(a, b):
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def logprob_worker(names, shared_dir, layouts):
+    """For each config and (tp, pp) layout: max |log-prob diff| and |entropy diff| vs HF."""
+    from m2po_megatron.actor.actor import MegatronActor
+
+    out = {}
+    for name in names:
+        cfg = tiny_config(name, shared_dir)
+        hf = make_hf_model(cfg)
+        batch = make_batch(vocab=cfg["vocab_size"])
+        ref_lp, ref_ent = hf_log_probs(hf, batch)
+        for tp, pp in layouts:
+            actor = MegatronActor(hf_config=cfg, load_from=hf, tensor_model_parallel_size=tp,
+                                  pipeline_model_parallel_size=pp, sequence_parallel=tp > 1,
+                                  micro_batch_tokens=40, loss_name="grpo")
+            lp, ent = actor.compute_log_probs(batch)
+            out[(name, tp, pp)] = (_maxdiff(lp, ref_lp), _maxdiff(ent, ref_ent), actor.dp_size)
+            actor.close()
+    return out
+
+
+def train_worker(name, shared_dir, layouts, ckpt_dir=None, load_dir=None, optimizer="adam", lr=1e-3,
+                 micro_batch_tokens=40, num_minibatches=1, n=8):
+    """One train_step (M2PO, global mask) per layout on the same data; returns HF-named weights after it and
+    the metrics. With ckpt_dir: save after the step, then run a second step and return its loss. With
+    load_dir: load that checkpoint first, then run the second step."""
+    from m2po_megatron.actor.actor import MegatronActor
+
+    cfg = tiny_config(name, shared_dir)
+    hf = make_hf_model(cfg)
+    batch = make_batch(n=n, vocab=cfg["vocab_size"], ref_model=hf)
+    batch2 = make_batch(n=n, vocab=cfg["vocab_size"], ref_model=hf, seed=7)
+    out = {}
+    for tp, pp in layouts:
+        actor = MegatronActor(hf_config=cfg, load_from=hf, tensor_model_parallel_size=tp,
+                              pipeline_model_parallel_size=pp, sequence_parallel=tp > 1,
+                              micro_batch_tokens=micro_batch_tokens, optimizer=optimizer, lr=lr, weight_decay=0.0,
+                              clip_grad=0.0, loss_name="m2po", m2po_tau=0.02, m2po_scope="minibatch")
+        res = {}
+        if load_dir is not None:
+            actor.load(load_dir)
+        else:
+            res["metrics"] = actor.train_step(batch, num_minibatches=num_minibatches)
+            res["weights"] = actor.gather_hf_state_dict()
+        if ckpt_dir is not None:
+            actor.save(ckpt_dir)
+        if ckpt_dir is not None or load_dir is not None:
+            m2 = actor.train_step(batch2, num_minibatches=1)
+            res["loss2"] = m2["loss"]
+            res["weights2"] = actor.gather_hf_state_dict()
+        res["initial"] = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+        out[(tp, pp)] = res
+        actor.close()
+    return out
