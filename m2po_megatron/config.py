@@ -513,6 +513,9 @@ def _check_batches(cfg: DictConfig, errors: list[str]) -> None:
     if s.mode == "bounded" and s.sync_interval > max(1, s.max_staleness):
         errors.append(f"staleness.sync_interval = {s.sync_interval} exceeds staleness.max_staleness = "
                       f"{s.max_staleness}: the servers would always be too stale; lower sync_interval")
+    if s.mode == "bounded" and s.behav_logprob_source == "trainer":
+        errors.append("staleness.behav_logprob_source = trainer needs synchronous generation (on_policy or "
+                      "fixed_lag): in bounded mode the trainer has moved past the generating weights; use engine")
     if cfg.rollout.engine == "sglang" and not cfg.rollout.urls and cfg.cluster.gpus_per_node == 0:
         errors.append("rollout.engine = sglang needs GPUs (cluster.gpus_per_node > 0) or rollout.urls of "
                       "running servers; use rollout.engine = local on CPU")

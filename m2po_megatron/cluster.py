@@ -1,0 +1,129 @@
+"""Ray placement: start or join Ray, and run a group of trainer ranks as Ray actors. No business logic.
+
+Nodes are told apart by Ray custom resources: `trainer` on nodes that host Megatron ranks and `rollout` on
+nodes that host rollout servers (the Slurm scripts tag nodes with them; a local run tags its one node with
+both). Placing by resource keeps trainer ranks and rollout servers on separate nodes when the cluster has
+them, without the driver knowing node names.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+TRAINER_RESOURCE = "trainer"
+ROLLOUT_RESOURCE = "rollout"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def node_ip() -> str:
+    """This node's address for servers and rendezvous (never 0.0.0.0)."""
+    import ray
+
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray
+        return "127.0.0.1"
+
+
+def init_ray(address: str = "local", *, tmpdir: Optional[str] = None, object_store_memory_mb: int = 512,
+             trainer_slots: int = 1, rollout_slots: int = 1, num_cpus: Optional[int] = None) -> dict:
+    """Start a private local Ray (address="local": own temp dir, never another user's cluster) or join
+    one ("auto" or HOST:PORT, e.g. the Slurm job's head). Returns ray.init's context info."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a stale ~/.ray/auth_token breaks local workers
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return {}
+    if address == "local":
+        tmp = tmpdir or tempfile.mkdtemp(prefix="m2po-ray-")
+        Path(tmp).mkdir(parents=True, exist_ok=True)
+        ctx = ray.init(
+            address="local", _temp_dir=str(Path(tmp).resolve()), include_dashboard=False,
+            object_store_memory=object_store_memory_mb * 1024 * 1024,
+            resources={TRAINER_RESOURCE: trainer_slots, ROLLOUT_RESOURCE: rollout_slots},
+            num_cpus=num_cpus if num_cpus is not None else max(4, os.cpu_count() or 1),
+            log_to_driver=True, configure_logging=False,
+        )
+    else:
+        ctx = ray.init(address=address, log_to_driver=True)
+    return {"address": getattr(ctx, "address_info", {}).get("address", address)}
+
+
+def shutdown_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+class RankGroup:
+    """`world_size` Ray actors of `actor_cls`, one per rank, placed on nodes with the `trainer` resource.
+
+    Rank 0 is created first and picks the rendezvous address (its node's IP and a free port), so the
+    group works across nodes; every rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT as
+    torchrun would set them. `call(method, ...)` runs a method on every rank and returns all results."""
+
+    def __init__(self, actor_cls: Any, world_size: int, *, gpus_per_rank: float = 0, env: Optional[dict] = None,
+                 resource: str = TRAINER_RESOURCE, init_kwargs: Optional[dict] = None):
+        import ray
+
+        remote_cls = ray.remote(actor_cls)
+        opts = dict(num_cpus=0, num_gpus=gpus_per_rank, resources={resource: 1e-3},
+                    runtime_env={"env_vars": {k: str(v) for k, v in (env or {}).items()}})
+        self.world_size = world_size
+        self.actors = []
+        rank0 = remote_cls.options(**opts).remote(**(init_kwargs or {}))
+        master_addr, master_port = ray.get(rank0.rendezvous_address.remote())
+        self.master = (master_addr, master_port)
+        self.actors.append(rank0)
+        for _ in range(1, world_size):
+            self.actors.append(remote_cls.options(**opts).remote(**(init_kwargs or {})))
+        ray.get([a.set_dist_env.remote(rank, world_size, master_addr, master_port)
+                 for rank, a in enumerate(self.actors)])
+
+    def call_async(self, method: str, *args, **kwargs) -> list:
+        return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+
+    def call(self, method: str, *args, timeout: Optional[float] = None, **kwargs) -> list:
+        import ray
+
+        return ray.get(self.call_async(method, *args, **kwargs), timeout=timeout)
+
+    def kill(self) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+
+
+class RankActorBase:
+    """Mixin for Ray actors that form a torch.distributed group (see RankGroup)."""
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        ip = node_ip()
+        return ip, free_port(ip)
+
+    def set_dist_env(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        self.rank = rank
+
+    def node(self) -> dict:
+        return {"rank": getattr(self, "rank", None), "hostname": socket.gethostname(), "ip": node_ip(),
+                "pid": os.getpid()}
+
+    def run(self, fn: Callable, *args, **kwargs):
+        """Run an arbitrary picklable function in this rank (tests, diagnostics)."""
+        return fn(*args, **kwargs)

@@ -1,0 +1,27 @@
+"""`m2po train RECIPE [overrides]`: run the RL loop (m2po_megatron/train.py)."""
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train with a recipe (M2PO/GRPO/GSPO on stale rollouts)",
+                       description="Validate RECIPE with dotted overrides (e.g. algo.m2po.tau=0.02 "
+                                   "train.steps=10), then start Ray, the rollout servers and the Megatron "
+                                   "ranks and run the RL loop. The run directory is run.output_dir/run.name.")
+    p.add_argument("recipe", help="recipe path or name under recipes/ (e.g. tiny-cpu)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. staleness.max_staleness=8")
+    p.add_argument("--resume", default=None, metavar="auto|none|PATH",
+                   help="continue from the latest checkpoint of the run (auto) or a checkpoint path "
+                        "(same as run.resume=...)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from m2po_megatron.config import load_config
+
+    overrides = list(args.overrides) + ([f"run.resume={args.resume}"] if args.resume else [])
+    cfg = load_config(args.recipe, overrides)  # every recipe error surfaces here, before Ray starts
+    from m2po_megatron.train import train
+
+    rdir = train(cfg)
+    print(f"[m2po] run directory: {rdir}")
+    return 0

@@ -1,0 +1,326 @@
+"""Where the trainer's groups come from: prompts, generation through the rollout client, rewards, and the
+staleness policy that decides which groups may be generated and trained.
+
+- `PromptStream`: the training prompts, reshuffled every epoch with a seed; its position is run state.
+- `SyncGenerator` (on_policy, fixed_lag): generates a step's groups with the current weights, then (for
+  fixed_lag) passes them through the FIFO of the released code's simulation.
+- `AsyncGenerator` (bounded): a background thread keeps the servers busy with groups admitted by the
+  StalenessController; the trainer takes finished groups earliest-deadline first.
+Every sample is registered in the SampleLedger when its group is admitted, so in-flight samples count as
+pending and the identity generated = consumed + dropped + pending always holds.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Callable, Optional
+
+from m2po_megatron.samples import Group, Sample, sample_ids_for
+
+
+class PromptStream:
+    """Endless, seeded pass over the training prompts (one shuffle per epoch)."""
+
+    def __init__(self, rows: list[dict], seed: int):
+        if not rows:
+            raise ValueError("the training set is empty; check data.train_path")
+        self.rows, self.seed = rows, seed
+        self.epoch, self.pos = 0, 0
+        self._order = self._shuffle()
+
+    def _shuffle(self) -> list[int]:
+        order = list(range(len(self.rows)))
+        random.Random(self.seed + self.epoch).shuffle(order)
+        return order
+
+    def next(self) -> dict:
+        if self.pos >= len(self._order):
+            self.epoch, self.pos = self.epoch + 1, 0
+            self._order = self._shuffle()
+        row = self.rows[self._order[self.pos]]
+        self.pos += 1
+        return row
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.epoch, self.pos = s["epoch"], s["pos"]
+        self._order = self._shuffle()
+
+
+def load_prompt_rows(path: str) -> list[dict]:
+    """Rows of the project's training format (id, prompt, answer[, source]) from JSONL."""
+    rows = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not valid JSON ({e}); run `m2po prepare-data` on the raw file") from None
+        if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
+            raise ValueError(f"{path}:{i}: a row needs 'prompt' and 'answer' (run `m2po prepare-data`)")
+        row.setdefault("id", f"row{i}")
+        rows.append(row)
+    return rows
+
+
+class Tokenize:
+    """Prompt text -> token ids, with the tokenizer's chat template when asked and available."""
+
+    def __init__(self, tokenizer, apply_chat_template: bool, max_prompt_len: int):
+        self.tok, self.chat, self.max_len = tokenizer, apply_chat_template, max_prompt_len
+
+    def __call__(self, prompt: str) -> list[int]:
+        if self.chat and getattr(self.tok, "chat_template", None):
+            ids = self.tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                               add_generation_prompt=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        else:
+            ids = self.tok(prompt, add_special_tokens=True)["input_ids"]
+        if len(ids) > self.max_len:
+            raise ValueError(f"a prompt has {len(ids)} tokens > data.max_prompt_len = {self.max_len}; "
+                             f"filter the data or raise data.max_prompt_len: {prompt[:80]!r}")
+        return list(ids)
+
+
+class GroupMaker:
+    """Runs one prompt group through the client and scores it. Shared by both generators."""
+
+    def __init__(self, client, rewards, tokenizer, tokenize: Tokenize, sampling: dict, n: int,
+                 seed: int, reward_lock: Optional[threading.Lock] = None):
+        self.client, self.rewards, self.tok, self.tokenize = client, rewards, tokenizer, tokenize
+        self.sampling, self.n, self.seed = sampling, n, seed
+        self.reward_lock = reward_lock or threading.Lock()
+        self.reward_stats: dict = {}
+
+    def new_group(self, gid: str, row: dict) -> Group:
+        return Group(group_id=gid, prompt_id=str(row["id"]), prompt_ids=self.tokenize(row["prompt"]),
+                     answer=str(row["answer"]))
+
+    async def generate(self, group: Group) -> Group:
+        # A per-group seed makes sampling reproducible (fixed_lag resume equality) and independent of
+        # which other requests the server batches with.
+        seed = zlib.crc32(f"{self.seed}/{group.group_id}".encode()) & 0x7FFFFFFF
+        outs = await self.client.generate(group.prompt_ids, dict(self.sampling, sampling_seed=seed), n=self.n)
+        ids = sample_ids_for(group.group_id, self.n)
+        group.samples = [
+            Sample(sample_id=sid, group_id=group.group_id, prompt_ids=group.prompt_ids,
+                   output_ids=list(o.output_ids), logprobs=list(o.output_logprobs),
+                   versions=[int(v) for v in o.token_versions], finish_reason=o.finish_reason,
+                   answer=group.answer)
+            for sid, o in zip(ids, outs)
+        ]
+        return group
+
+    def score(self, groups: list[Group]) -> None:
+        samples = [s for g in groups for s in g.samples if s.finish_reason != "abort"]
+        for s in samples:
+            s.text = self.tok.decode(s.output_ids, skip_special_tokens=True)
+        with self.reward_lock:
+            scores, stats = self.rewards.score([s.text for s in samples], [s.answer for s in samples])
+        for s, r in zip(samples, scores):
+            s.reward = float(r)
+        for k, v in stats.as_dict().items():
+            self.reward_stats[k] = self.reward_stats.get(k, 0) + v
+
+
+class SyncGenerator:
+    """on_policy and fixed_lag: each call generates one step's groups with the servers' current weights.
+    For fixed_lag the groups pass through the FixedLagQueue; warm-up iterations only generate."""
+
+    def __init__(self, maker: GroupMaker, prompts: PromptStream, ledger, groups_per_step: int,
+                 lag_queue=None, recompute_logprobs: Optional[Callable[[list[Group]], None]] = None):
+        self.maker, self.prompts, self.ledger = maker, prompts, ledger
+        self.groups_per_step, self.queue, self.recompute = groups_per_step, lag_queue, recompute_logprobs
+        self.next_gid = 0
+        self.warmup_iterations = 0
+
+    def _generate_batch(self, version: int) -> list[Group]:
+        groups = []
+        for _ in range(self.groups_per_step):
+            gid = f"g{self.next_gid}"
+            self.next_gid += 1
+            groups.append(self.maker.new_group(gid, self.prompts.next()))
+            self.ledger.add(sample_ids_for(gid, self.maker.n))
+
+        async def run():
+            return await asyncio.gather(*(self.maker.generate(g) for g in groups))
+
+        asyncio.run(run())
+        self.maker.score(groups)
+        if self.recompute is not None:  # the released code: behaviour log-probs from the trainer
+            self.recompute(groups)
+        return groups
+
+    def next_groups(self, version: int) -> list[Group]:
+        while True:
+            groups = self._generate_batch(version)
+            if self.queue is None:
+                return groups
+            out = self.queue.step(groups, version)
+            if out is not None:
+                return out.payload
+            self.warmup_iterations += 1
+
+    def pending(self) -> int:
+        if self.queue is None:
+            return 0
+        return sum(len(g.samples) for b in self.queue._queue for g in b.payload)
+
+    def state_dict(self) -> dict:
+        s = {"next_gid": self.next_gid, "warmup_iterations": self.warmup_iterations}
+        if self.queue is not None:
+            s["queue"] = self.queue.state_dict(encode=lambda groups: [group_to_dict(g) for g in groups])
+        return s
+
+    def load_state_dict(self, s: dict) -> None:
+        self.next_gid, self.warmup_iterations = s["next_gid"], s["warmup_iterations"]
+        if self.queue is not None and "queue" in s:
+            self.queue.load_state_dict(s["queue"], decode=lambda rows: [group_from_dict(r) for r in rows])
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncGenerator:
+    """bounded: generation runs in a background thread while the trainer trains. Admission control
+    (StalenessController) decides how many groups may be in flight; finished, scored groups wait in a
+    buffer until `next_groups` takes a batch, earliest deadline first."""
+
+    def __init__(self, maker: GroupMaker, prompts: PromptStream, ledger, controller, groups_per_step: int,
+                 drop_too_stale: bool = True):
+        self.maker, self.prompts, self.ledger, self.ctl = maker, prompts, ledger, controller
+        self.groups_per_step, self.drop_too_stale = groups_per_step, drop_too_stale
+        self.lock = threading.Condition()
+        self.finished: dict[str, Group] = {}
+        self.inflight: dict[str, Group] = {}
+        self.discard: set[str] = set()
+        self.regenerate: list[dict] = []  # rows of groups in flight at a checkpoint, regenerated first
+        self.next_gid = 0
+        self.error: Optional[BaseException] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.paused = threading.Event()
+
+    # -- background side ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="m2po-generation", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._loop.run_until_complete(self._main())
+        except BaseException as e:  # surfaced to the trainer thread by next_groups
+            with self.lock:
+                self.error = e
+                self.lock.notify_all()
+        finally:
+            self._loop.close()
+
+    async def _main(self) -> None:
+        tasks: set[asyncio.Task] = set()
+        while not self._stop.is_set():
+            if not self.paused.is_set():
+                for row, gid in self._admit():
+                    t = asyncio.create_task(self._one(gid, row))
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
+            await asyncio.sleep(0.02)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _admit(self) -> list[tuple[dict, str]]:
+        with self.lock:
+            cap = self.ctl.capacity()
+            if cap <= 0:
+                return []
+            out = []
+            for _ in range(cap):
+                gid = f"g{self.next_gid}"
+                row = self.regenerate.pop(0) if self.regenerate else self.prompts.next()
+                if self.ctl.try_admit([gid]) != 1:
+                    if row is not None:
+                        self.regenerate.insert(0, row)
+                    break
+                self.next_gid += 1
+                group = self.maker.new_group(gid, row)
+                group.row = row  # kept to regenerate after a restart
+                self.inflight[gid] = group
+                self.ledger.add(sample_ids_for(gid, self.maker.n))
+                out.append((row, gid))
+            return out
+
+    async def _one(self, gid: str, row: dict) -> None:
+        group = self.inflight[gid]
+        await self.maker.generate(group)
+        await asyncio.get_running_loop().run_in_executor(None, self.maker.score, [group])
+        with self.lock:
+            self.inflight.pop(gid, None)
+            if gid in self.discard:
+                self.discard.discard(gid)
+                self.ledger.drop(group.sample_ids, "too_stale")
+                return
+            versions = [s.min_version for s in group.samples if s.versions]
+            self.ctl.on_generated(gid, min(versions) if versions else self.ctl.server_version)
+            self.finished[gid] = group
+            self.lock.notify_all()
+
+    # -- trainer side --------------------------------------------------------------------------------
+    def next_groups(self, version: int, timeout_s: float = 3600.0) -> list[Group]:
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            while True:
+                if self.error is not None:
+                    raise RuntimeError(f"generation failed: {self.error!r}") from self.error
+                for gid in self.ctl.overdue():  # only reachable when a server stalled past the bound
+                    self.ctl.on_dropped(gid)
+                    if gid in self.finished:
+                        self.ledger.drop(self.finished.pop(gid).sample_ids, "too_stale")
+                    else:  # still generating: dropped when it arrives
+                        self.discard.add(gid)
+                ids = self.ctl.select_batch()
+                if ids is not None:
+                    self.ctl.on_consumed(ids)
+                    return [self.finished.pop(g) for g in ids]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no batch of {self.groups_per_step} groups within {timeout_s:.0f} s; "
+                                       f"are the rollout servers alive?")
+                self.lock.wait(timeout=min(1.0, left))
+
+    def pending(self) -> int:
+        with self.lock:
+            return sum(self.maker.n for _ in self.inflight) + sum(len(g.samples) for g in self.finished.values())
+
+    def state_dict(self) -> dict:
+        with self.lock:
+            return {"next_gid": self.next_gid, "controller": self.ctl.state_dict(),
+                    "finished": [group_to_dict(g) for g in self.finished.values()],
+                    "regenerate": [getattr(g, "row", None) for g in self.inflight.values()] + self.regenerate,
+                    "inflight_ids": [s for g in self.inflight.values() for s in sample_ids_for(g.group_id, self.maker.n)]}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+
+def group_to_dict(g: Group) -> dict:
+    return {"group_id": g.group_id, "prompt_id": g.prompt_id, "prompt_ids": g.prompt_ids, "answer": g.answer,
+            "samples": [s.__dict__ for s in g.samples]}
+
+
+def group_from_dict(d: dict) -> Group:
+    return Group(group_id=d["group_id"], prompt_id=d["prompt_id"], prompt_ids=list(d["prompt_ids"]),
+                 answer=d["answer"], samples=[Sample(**s) for s in d["samples"]])
+

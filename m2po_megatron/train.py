@@ -1,0 +1,412 @@
+"""`m2po train`: the RL loop, top to bottom.
+
+Ray placement -> data -> generation -> rewards -> advantages -> staleness gating -> training -> weight
+sync -> evaluation -> logging -> checkpoints. Each algorithmic hook is a named function below or in the
+module that owns it (samples.build_step_batch, generation.*, staleness.*, algo.*)."""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from m2po_megatron import device
+from m2po_megatron.config import as_plain, run_dir, save_resolved, secret
+from m2po_megatron.metrics import MetricsLogger, Progress
+
+
+def train(cfg: DictConfig) -> Path:
+    from m2po_megatron.cluster import init_ray, shutdown_ray
+    from m2po_megatron.run_state import CheckpointManager, install_sigterm_flag
+    from m2po_megatron.staleness import SampleLedger
+
+    rdir = run_dir(cfg)
+    ckpts = CheckpointManager(rdir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
+    resume_from = ckpts.resolve_resume(cfg.run.resume)
+    save_resolved(cfg, rdir)
+    logger = MetricsLogger(rdir, config=as_plain(cfg), wandb_mode=cfg.logging.wandb_mode,
+                           project=cfg.logging.wandb_project, entity=cfg.logging.wandb_entity,
+                           name=cfg.run.name, resume=resume_from is not None)
+    stop = install_sigterm_flag()
+    seed_everything(cfg.run.seed)
+    world = trainer_world_size(cfg)
+    init_ray(cfg.cluster.ray_address, tmpdir=cfg.cluster.ray_tmpdir,
+             object_store_memory_mb=cfg.cluster.object_store_memory_mb, trainer_slots=world,
+             rollout_slots=cfg.rollout.num_servers)
+    engines = trainers = generator = rewards = None
+    try:
+        tokenizer = load_tokenizer(cfg)
+        prompts, eval_rows = load_data(cfg)
+        engines, urls = start_rollout_engines(cfg, rdir)
+        client = make_client(cfg, urls)
+        trainers = start_trainers(cfg, world, rdir)
+        init_weight_sync(cfg, trainers, urls)
+        rewards = make_reward_pool(cfg)
+        ledger = SampleLedger()
+        generator = make_generator(cfg, client, rewards, tokenizer, prompts, ledger, trainers)
+        step, version = 0, 0
+        if resume_from is not None:
+            step, version = restore(resume_from, trainers, prompts, ledger, generator)
+            sync_weights(trainers, version)  # restarted servers hold the base weights
+            if hasattr(generator, "ctl"):
+                generator.ctl.on_sync(version)
+        start_generation(generator)
+        if step == 0 and eval_rows:
+            logger.log(evaluate(cfg, client, tokenizer, eval_rows, rdir, step), step=0)
+
+        U = cfg.train.updates_per_step
+        progress = Progress(cfg.train.steps - step, "train", unit="step")
+        last_synced = version
+        while step < cfg.train.steps and not stop.requested:
+            t0 = time.perf_counter()
+            groups = generator.next_groups(version)  # blocks until a batch may be trained
+            t_wait = time.perf_counter() - t0
+
+            sb = build_batch(cfg, groups, version, ledger)  # advantages, staleness gating, ledger
+            t1 = time.perf_counter()
+            out = train_on(cfg, trainers, sb.batch)
+            t_train = time.perf_counter() - t1
+            version += U
+            step += 1
+            if hasattr(generator, "ctl"):
+                generator.ctl.on_step(version)
+
+            t2 = time.perf_counter()
+            sync_stats = {}
+            if should_sync(cfg, generator, version, last_synced):
+                pause = generator_pause(generator)
+                sync_stats = sync_weights(trainers, version)
+                last_synced = version
+                if hasattr(generator, "ctl"):
+                    generator.ctl.on_sync(version)
+                generator_resume(generator, pause)
+            t_sync = time.perf_counter() - t2
+
+            metrics = {"version": version, **sb.metrics, **out,
+                       **ledger.end_step(pending=generator.pending()),
+                       **rewards_stats(generator), **sync_stats,
+                       "time/wait_rollout": t_wait, "time/train": t_train, "time/weight_sync": t_sync,
+                       "time/step": time.perf_counter() - t0,
+                       "tokens_per_s/train": sb.metrics.get("batch/tokens", 0) / max(t_train, 1e-9),
+                       "tokens_per_s/gen": generated_tokens_per_s(groups)}
+            if cfg.eval.interval and step % cfg.eval.interval == 0 and eval_rows:
+                metrics.update(evaluate(cfg, client, tokenizer, eval_rows, rdir, step))
+            logger.log(metrics, step=step)
+            progress.update(postfix=f"reward {metrics.get('reward/mean', float('nan')):.3f} "
+                                    f"staleness {metrics.get('staleness/mean', 0):.1f}")
+            if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
+                save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
+
+        if stop.requested and cfg.checkpoint.save_on_sigterm:
+            print(f"[m2po] signal received: checkpointing at step {step} and exiting", flush=True)
+        if not (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or stop.requested:
+            save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
+        if step >= cfg.train.steps and eval_rows and cfg.eval.interval and step % cfg.eval.interval:
+            logger.log(evaluate(cfg, client, tokenizer, eval_rows, rdir, step), step=step)
+        progress.close()
+    finally:
+        for closer in (generator, rewards):
+            if closer is not None:
+                closer.close()
+        if trainers is not None:
+            trainers.kill()
+        if engines is not None:
+            engines.shutdown()
+        logger.close()
+        shutdown_ray()
+    return rdir
+
+
+# ----------------------------------------------------------------------------------------------------
+# Set-up hooks
+# ----------------------------------------------------------------------------------------------------
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def trainer_world_size(cfg: DictConfig) -> int:
+    p = cfg.parallel
+    return (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+            * p.data_parallel_size)
+
+
+def load_tokenizer(cfg: DictConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.hf_path)
+
+
+def load_data(cfg: DictConfig):
+    from m2po_megatron.generation import PromptStream, load_prompt_rows
+
+    if not cfg.data.train_path:
+        raise ValueError("data.train_path is not set; prepare data with `m2po prepare-data`")
+    prompts = PromptStream(load_prompt_rows(cfg.data.train_path), cfg.data.shuffle_seed)
+    eval_rows = {Path(p).stem: load_prompt_rows(p) for p in cfg.data.eval_paths}
+    return prompts, eval_rows
+
+
+def start_rollout_engines(cfg: DictConfig, rdir: Path):
+    """Launch the servers (SGLang on GPU nodes, our CPU server otherwise) or attach to rollout.urls."""
+    from m2po_megatron.rollout.launcher import EngineManager
+
+    r = cfg.rollout
+    mgr = EngineManager(
+        engine=r.engine, model_path=cfg.model.hf_path, num_servers=r.num_servers, host=r.host,
+        port=r.port, api_key=secret(r.api_key, "M2PO_API_KEY"), tp_size=r.tp_size, dp_size=r.dp_size,
+        mem_fraction_static=r.mem_fraction_static, context_length=r.context_length, dtype=r.dtype,
+        quantization=r.quantization, seed=cfg.run.seed, log_dir=str(rdir / "servers"),
+        max_restarts=r.max_restarts, health_timeout_s=r.health_timeout_s, urls=list(r.urls),
+        gpus_per_server=r.tp_size * r.dp_size if cfg.cluster.gpus_per_node else 0)
+    urls = mgr.start()
+    return mgr, urls
+
+
+def make_client(cfg: DictConfig, urls: list[str]):
+    from m2po_megatron.rollout.client import RolloutClient
+
+    r = cfg.rollout
+    return RolloutClient(urls, api_key=secret(r.api_key, "M2PO_API_KEY"), max_concurrency=r.max_concurrency,
+                         timeout_s=r.request_timeout_s, max_retries=r.max_retries)
+
+
+def actor_kwargs(cfg: DictConfig) -> dict:
+    p, o, a = cfg.parallel, cfg.optim, cfg.algo
+    dtype = cfg.model.params_dtype
+    if dtype == "auto":
+        dtype = "bf16" if device.has_cuda() else "fp32"
+    loss_kwargs = {"loss_agg_mode": a.loss_agg_mode}
+    if a.dual_clip_c is not None:
+        loss_kwargs["dual_clip_c"] = a.dual_clip_c
+    if a.name == "grpo":
+        loss_kwargs.update(eps_low=a.grpo.eps_clip_low, eps_high=a.grpo.eps_clip_high)
+    elif a.name == "gspo":
+        loss_kwargs.update(eps_low=a.gspo.eps_clip_low, eps_high=a.gspo.eps_clip_high)
+    total_updates = cfg.train.steps * cfg.train.updates_per_step
+    return dict(
+        hf_model_dir=cfg.model.hf_path, hf_config=cfg.model.hf_config, load_from=cfg.model.megatron_ckpt,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        context_parallel_size=p.context_parallel_size, sequence_parallel=p.sequence_parallel,
+        use_distributed_optimizer=p.use_distributed_optimizer, precision=dtype, fp8=cfg.model.fp8,
+        fp8_recipe=cfg.model.fp8_recipe, lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_updates,
+        lr_decay_steps=max(total_updates, 1), lr_decay_style=o.lr_schedule, weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+        micro_batch_tokens=cfg.train.micro_batch_tokens, loss_name=a.name, loss_kwargs=loss_kwargs,
+        m2po_tau=a.m2po.tau, m2po_rule=a.m2po.rule,
+        m2po_scope="minibatch" if a.m2po.scope == "global" else "microbatch", seed=cfg.run.seed)
+
+
+def start_trainers(cfg: DictConfig, world: int, rdir: Path):
+    """One Ray actor per Megatron rank on the `trainer` nodes."""
+    from m2po_megatron.cluster import RankGroup
+    from m2po_megatron.trainer_worker import TrainerWorker
+
+    gpus = 1 if cfg.cluster.gpus_per_node else 0
+    group = RankGroup(TrainerWorker, world, gpus_per_rank=gpus,
+                      env={"OMP_NUM_THREADS": 1, "M2PO_TRAINER_THREADS": 1})
+    nodes = group.call("setup", actor_kwargs(cfg), timeout=1800)
+    (rdir / "placement.json").write_text(json.dumps({"trainer": nodes}, indent=1))
+    return group
+
+
+def init_weight_sync(cfg: DictConfig, trainers, urls: list[str]) -> None:
+    from m2po_megatron.cluster import free_port
+
+    r = cfg.rollout
+    trainers.call("init_weight_sync", urls, secret(r.api_key, "M2PO_API_KEY"), r.bucket_mb, free_port(),
+                  r.update_mode, timeout=600)
+
+
+def make_reward_pool(cfg: DictConfig):
+    from m2po_megatron.reward import RewardPool
+
+    return RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
+                      format_score=cfg.reward.format_score)
+
+
+def make_generator(cfg, client, rewards, tokenizer, prompts, ledger, trainers):
+    from m2po_megatron.generation import AsyncGenerator, GroupMaker, SyncGenerator, Tokenize
+    from m2po_megatron.staleness import FixedLagQueue, StalenessController
+
+    r, s, t = cfg.rollout, cfg.staleness, cfg.train
+    sampling = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
+                "max_new_tokens": r.max_new_tokens}
+    maker = GroupMaker(client, rewards, tokenizer, Tokenize(tokenizer, cfg.data.apply_chat_template,
+                                                            cfg.data.max_prompt_len),
+                       sampling, n=r.n_samples_per_prompt, seed=cfg.run.seed)
+    if s.mode == "bounded":
+        ctl = StalenessController(s.max_staleness, groups_per_step=t.prompts_per_step,
+                                  updates_per_step=t.updates_per_step, sync_interval=s.sync_interval)
+        return AsyncGenerator(maker, prompts, ledger, ctl, t.prompts_per_step, s.drop_too_stale)
+    queue = FixedLagQueue(s.lag_steps, t.updates_per_step) if s.mode == "fixed_lag" else None
+    recompute = None
+    if s.behav_logprob_source == "trainer":
+        recompute = lambda groups: recompute_behaviour_logprobs(trainers, groups)  # noqa: E731
+    return SyncGenerator(maker, prompts, ledger, t.prompts_per_step, queue, recompute)
+
+
+def start_generation(generator) -> None:
+    if hasattr(generator, "start"):
+        generator.start()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-step hooks
+# ----------------------------------------------------------------------------------------------------
+def build_batch(cfg: DictConfig, groups, version: int, ledger):
+    from m2po_megatron.samples import build_step_batch
+
+    s = cfg.staleness
+    bound = s.max_staleness if s.mode == "bounded" else None
+    return build_step_batch(groups, version, ledger, max_staleness=bound, drop_too_stale=s.drop_too_stale,
+                            norm_by_std=cfg.algo.norm_adv_by_std, eps=cfg.algo.adv_eps)
+
+
+def train_on(cfg: DictConfig, trainers, batch) -> dict:
+    import ray
+
+    if batch is None:  # every sample of the step was dropped (counted); nothing to train on
+        return {}
+    ref = ray.put(batch)
+    return trainers.call("train_step", ref, cfg.train.updates_per_step)[0]
+
+
+def recompute_behaviour_logprobs(trainers, groups) -> None:
+    """The released code's choice: behaviour log-probs from the trainer at the generating weights."""
+    import ray
+    import torch
+
+    from m2po_megatron.actor.batch import TrainBatch
+
+    samples = [s for g in groups for s in g.samples if s.output_ids and s.finish_reason != "abort"]
+    if not samples:
+        return
+    batch = TrainBatch(input_ids=[torch.tensor(s.prompt_ids + s.output_ids) for s in samples],
+                       prompt_lens=[len(s.prompt_ids) for s in samples])
+    logps = trainers.call("compute_log_probs", ray.put(batch))[0]
+    for s, lp in zip(samples, logps):
+        s.logprobs = [float(x) for x in lp]
+
+
+def should_sync(cfg: DictConfig, generator, version: int, last_synced: int) -> bool:
+    if cfg.staleness.mode != "bounded":
+        return True  # synchronous modes generate with the latest weights
+    return generator.ctl.needs_sync()
+
+
+def generator_pause(generator) -> bool:
+    if hasattr(generator, "paused"):
+        generator.paused.set()
+        return True
+    return False
+
+
+def generator_resume(generator, paused: bool) -> None:
+    if paused:
+        generator.paused.clear()
+
+
+def sync_weights(trainers, version: int) -> dict:
+    stats = trainers.call("sync_weights", version, timeout=1800)
+    return {k: v for k, v in stats[0].items()}
+
+
+def rewards_stats(generator) -> dict:
+    return dict(generator.maker.reward_stats)
+
+
+def generated_tokens_per_s(groups) -> float:
+    return 0.0 if not groups else float(sum(len(s.output_ids) for g in groups for s in g.samples))
+
+
+def evaluate(cfg: DictConfig, client, tokenizer, eval_rows: dict, rdir: Path, step: int) -> dict:
+    from m2po_megatron.eval import evaluate_sets
+
+    e = cfg.eval
+    table = evaluate_sets(client=client, tokenizer=tokenizer, datasets=eval_rows, n_samples=e.n_samples,
+                          n_samples_overrides=dict(e.n_samples_overrides), temperature=e.temperature,
+                          top_p=e.top_p, max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
+                          out_dir=rdir / "eval" / f"step_{step:06d}", seed=cfg.run.seed)
+    return {f"eval/{k}": v for k, v in table.items()}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoint and resume
+# ----------------------------------------------------------------------------------------------------
+def save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator) -> Path:
+    import numpy as np
+    import torch
+
+    from m2po_megatron.run_state import save_run_state
+
+    tmp = ckpts.begin(step)
+    trainers.call("save", str(tmp / "megatron"), timeout=1800)
+    save_run_state(tmp / "run_state.json", {
+        "step": step, "version": version, "prompts": prompts.state_dict(), "ledger": ledger.state_dict(),
+        "generator": generator.state_dict(),
+        "rng": {"python": _jsonable(random.getstate()), "numpy": _jsonable(np.random.get_state()),
+                "torch": torch.get_rng_state().tolist()},
+    })
+    return ckpts.commit(step)
+
+
+def restore(path: Path, trainers, prompts, ledger, generator) -> tuple[int, int]:
+    from m2po_megatron.run_state import load_run_state
+
+    import numpy as np
+    import torch
+
+    state = load_run_state(Path(path) / "run_state.json")
+    rng = state["rng"]
+    random.setstate(_tupled(rng["python"]))
+    np.random.set_state(tuple(rng["numpy"][:1]) + (np.array(rng["numpy"][1], dtype=np.uint32),)
+                        + tuple(rng["numpy"][2:]))
+    torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
+    trainers.call("load", str(Path(path) / "megatron"), timeout=1800)
+    prompts.load_state_dict(state["prompts"])
+    ledger.load_state_dict(state["ledger"])
+    gen = state["generator"]
+    if hasattr(generator, "ctl"):
+        restore_async(generator, gen, ledger)
+    else:
+        generator.load_state_dict(gen)
+    return int(state["step"]), int(state["version"])
+
+
+def restore_async(generator, gen: dict, ledger) -> None:
+    """Buffered groups come back as they were; groups that were in flight are dropped as `interrupted`
+    (counted) and their prompts regenerated first under new ids."""
+    from m2po_megatron.generation import group_from_dict
+
+    generator.ctl.load_state_dict(gen["controller"])
+    generator.next_gid = gen["next_gid"]
+    for d in gen["finished"]:
+        g = group_from_dict(d)
+        generator.finished[g.group_id] = g
+    if gen["inflight_ids"]:
+        ledger.drop(gen["inflight_ids"], "interrupted")
+    for gid in generator.ctl.running():
+        generator.ctl.on_dropped(gid)
+    generator.regenerate = [r for r in gen["regenerate"] if r is not None]
+
+
+def _jsonable(x):
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return x
+
+
+def _tupled(x):
+    return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
