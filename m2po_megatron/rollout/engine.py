@@ -1,0 +1,324 @@
+"""The CPU generation engine behind local_server: a transformers causal LM in fp32 plus a scheduler thread.
+
+Scheduling (continuous-batching-ish): one thread loops; each iteration admits waiting sequences (prefilled
+together, left-padded), merges their KV cache into the running batch, then runs ONE decode step for every
+running sequence together. Finished sequences leave the batch after any step, new ones join at the next
+iteration, so concurrent requests share forward passes. The running batch keeps its own left-padded KV
+tensors per layer plus a [B, T] attention mask; positions come from the mask.
+
+Weights change only between steps (under `lock`), so every output token is produced by one weight version,
+which is recorded per token (SGLang's `weight_versions` spans)."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Any, Callable
+
+import torch
+
+from m2po_megatron.rollout import sampling
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    sampling_seed: int | None = None
+
+
+@dataclasses.dataclass
+class Sequence:
+    rid: str
+    prompt: list[int]
+    sp: SamplingParams
+    generator: torch.Generator
+    on_done: Callable[["Sequence"], None]
+    out: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[str] = dataclasses.field(default_factory=list)
+    finish: dict | None = None
+    created: float = dataclasses.field(default_factory=time.monotonic)
+
+    def result(self) -> dict:
+        return {"output_ids": list(self.out), "logprobs": list(self.logprobs), "versions": list(self.versions),
+                "finish_reason": self.finish, "prompt_tokens": len(self.prompt), "rid": self.rid,
+                "latency": time.monotonic() - self.created}
+
+
+class Engine:
+    def __init__(self, model, *, weight_version: str = "default", max_running_requests: int = 256,
+                 context_length: int | None = None, random_seed: int | None = None):
+        self.model = model.eval()
+        cfg = model.config
+        self.num_layers = cfg.num_hidden_layers
+        self.context_length = context_length or getattr(cfg, "max_position_embeddings", 1 << 30)
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos = eos if eos is not None else getattr(cfg, "eos_token_id", None)
+        self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+        self.vocab_size = cfg.vocab_size
+        self.weight_version = weight_version
+        self.max_running = max_running_requests
+        self._seed_rng = torch.Generator().manual_seed(random_seed if random_seed is not None else 0)
+        self.lock = threading.RLock()  # held for each step and for every state change
+        self.cond = threading.Condition(self.lock)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.mask = torch.zeros(0, 0, dtype=torch.long)
+        self.paused = False
+        self._stop = False
+        self.steps = 0
+        self.error: BaseException | None = None
+        self._params = dict(model.named_parameters())
+        self._params.update({n: b for n, b in model.named_buffers() if n not in self._params})
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public, any thread
+    def submit(self, prompt: list[int], sp: SamplingParams, n: int, on_done: Callable[[Sequence], None],
+               rid: str | None = None) -> list[Sequence]:
+        if not prompt:
+            raise ValueError("input_ids is empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids contain ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if len(prompt) >= self.context_length:
+            raise ValueError(f"the prompt has {len(prompt)} tokens, not below context_length {self.context_length}")
+        rid = rid or uuid.uuid4().hex
+        seqs = []
+        for i in range(n):
+            g = torch.Generator()
+            if sp.sampling_seed is not None:
+                g.manual_seed(sp.sampling_seed + i)
+            else:
+                g.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._seed_rng)))
+            seqs.append(Sequence(rid=rid if n == 1 else f"{rid}-{i}", prompt=list(prompt), sp=sp, generator=g,
+                                 on_done=on_done))
+        with self.cond:
+            if sp.max_new_tokens == 0:
+                for s in seqs:
+                    self._finish(s, {"type": "length", "length": 0})
+                return seqs
+            self.waiting.extend(seqs)
+            self.cond.notify_all()
+        return seqs
+
+    def abort(self, rid: str | None = None, message: str = "Abort request") -> int:
+        """Abort matching waiting/running sequences (rid=None: all); they return with finish type 'abort'."""
+        with self.cond:
+            hit = lambda s: rid is None or s.rid == rid or s.rid.startswith(f"{rid}-")
+            gone = [s for s in self.waiting if hit(s)]
+            self.waiting = deque(s for s in self.waiting if not hit(s))
+            rows = [i for i, s in enumerate(self.running) if hit(s)]
+            gone += [self.running[i] for i in rows]
+            self._drop_rows(rows)
+            for s in gone:
+                self._finish(s, {"type": "abort", "message": message})
+            return len(gone)
+
+    def pause(self, mode: str) -> None:
+        with self.cond:
+            if mode == "abort":
+                self.abort(message="Abort by pause_generation")
+            elif mode == "retract":  # drop the KV cache; sequences re-prefill (prompt + output) on continue
+                self.waiting.extendleft(reversed(self.running))
+                self._drop_rows(list(range(len(self.running))))
+            elif mode != "in_place":
+                raise ValueError(f"pause mode {mode!r} is not one of abort, retract, in_place")
+            self.paused = True
+
+    def resume(self) -> None:
+        with self.cond:
+            self.paused = False
+            self.cond.notify_all()
+
+    def load_weights(self, named: list[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
+        """Copy HF-named tensors into the model between steps; raise KeyError/ValueError naming the tensor."""
+        for name, t in named:
+            if name not in self._params:
+                raise KeyError(f"tensor {name!r} is not a parameter of the served model")
+            if tuple(t.shape) != tuple(self._params[name].shape):
+                raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, the served model expects "
+                                 f"{tuple(self._params[name].shape)}")
+        with self.lock, torch.no_grad():
+            for name, t in named:
+                self._params[name].copy_(t)
+            if weight_version is not None:
+                self.weight_version = str(weight_version)
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"waiting": len(self.waiting), "running": len(self.running), "paused": self.paused,
+                    "steps": self.steps, "weight_version": self.weight_version}
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def shutdown(self) -> None:
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ scheduler thread
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    while not self._stop and (self.paused or (not self.waiting and not self.running)):
+                        self.cond.wait()
+                    if self._stop:
+                        return
+                    self._step()
+        except BaseException as e:  # noqa: BLE001 - fail every request loudly rather than hang them
+            self.error = e
+            with self.cond:
+                for s in list(self.waiting) + self.running:
+                    self._finish(s, {"type": "abort", "message": f"engine error: {e!r}"})
+                self.waiting.clear()
+                self._drop_rows(list(range(len(self.running))))
+            raise
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        self.steps += 1
+        old = list(self.running)
+        if old:
+            self._decode()
+        room = self.max_running - len(self.running)
+        if room > 0 and self.waiting:
+            new = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+            self._prefill(new)
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        # Fresh samples of one request share one prefill row; retracted ones carry their own output.
+        groups: dict[tuple, list[Sequence]] = {}
+        for s in seqs:
+            key = tuple(s.prompt) if not s.out else (s.rid, "retracted")  # equal prompts -> equal KV
+            groups.setdefault(key, []).append(s)
+        rows = [g[0].prompt + g[0].out for g in groups.values()]
+        length = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), length, dtype=torch.long)
+        mask = torch.zeros(len(rows), length, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, length - len(r):] = torch.tensor(r)
+            mask[i, length - len(r):] = 1
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        index = torch.tensor([i for i, g in enumerate(groups.values()) for _ in g])
+        order = [s for g in groups.values() for s in g]
+        cache = out.past_key_values
+        keys = [cache.layers[l].keys[index] for l in range(self.num_layers)]
+        values = [cache.layers[l].values[index] for l in range(self.num_layers)]
+        self._merge(order, keys, values, mask[index])
+        self._sample(order, out.logits[:, -1][index], first_row=len(self.running) - len(order))
+
+    def _decode(self) -> None:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=list(zip(self.keys, self.values)))
+        ids = torch.tensor([[s.out[-1]] for s in self.running])
+        pos = self.mask.sum(1, keepdim=True)
+        self.mask = torch.cat([self.mask, torch.ones(len(self.running), 1, dtype=torch.long)], 1)
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, cache=cache,
+                         use_cache=True)
+        self.keys = [cache.layers[l].keys for l in range(self.num_layers)]
+        self.values = [cache.layers[l].values for l in range(self.num_layers)]
+        self._sample(list(self.running), out.logits[:, -1], first_row=0)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, first_row: int) -> None:
+        f = lambda name, dt: torch.tensor([getattr(s.sp, name) for s in seqs], dtype=dt)
+        temp = f("temperature", torch.float32)
+        logp = sampling.returned_logprobs(logits, temp)
+        probs = sampling.filtered_probs(logits, temp, f("top_p", torch.float32), f("top_k", torch.long),
+                                        f("min_p", torch.float32))
+        tokens = sampling.sample_rows(probs, [s.generator for s in seqs]).tolist()
+        done_rows = []
+        for j, (s, tok) in enumerate(zip(seqs, tokens)):
+            s.out.append(tok)
+            s.logprobs.append(float(logp[j, tok]))
+            s.versions.append(self.weight_version)
+            reason = self._finish_reason(s, tok)
+            if reason is not None:
+                done_rows.append(first_row + j)
+                self._finish(s, reason)
+        self._drop_rows(done_rows)
+
+    def _finish_reason(self, s: Sequence, tok: int) -> dict | None:
+        if len(s.out) >= s.sp.min_new_tokens:
+            if tok in s.sp.stop_token_ids or (not s.sp.ignore_eos and tok in self.eos_ids):
+                return {"type": "stop", "matched": tok}
+        if len(s.out) >= s.sp.max_new_tokens:
+            return {"type": "length", "length": s.sp.max_new_tokens}
+        if len(s.prompt) + len(s.out) >= self.context_length:
+            return {"type": "length", "length": len(s.out)}
+        return None
+
+    def _finish(self, s: Sequence, reason: dict) -> None:
+        s.finish = reason
+        s.on_done(s)
+
+    # ------------------------------------------------------------------ batch bookkeeping
+    def _merge(self, seqs: list[Sequence], keys, values, mask) -> None:
+        if not self.running:
+            self.running, self.keys, self.values, self.mask = list(seqs), keys, values, mask
+            return
+        t = max(self.mask.shape[1], mask.shape[1])
+        lpad = lambda x, n: torch.nn.functional.pad(x, (0, 0, n, 0)) if x.dim() == 4 else \
+            torch.nn.functional.pad(x, (n, 0))
+        a, b = t - self.mask.shape[1], t - mask.shape[1]
+        self.keys = [torch.cat([lpad(k0, a), lpad(k1, b)]) for k0, k1 in zip(self.keys, keys)]
+        self.values = [torch.cat([lpad(v0, a), lpad(v1, b)]) for v0, v1 in zip(self.values, values)]
+        self.mask = torch.cat([lpad(self.mask, a), lpad(mask, b)])
+        self.running += seqs
+
+    def _drop_rows(self, rows: list[int]) -> None:
+        if not rows:
+            return
+        keep = [i for i in range(len(self.running)) if i not in set(rows)]
+        self.running = [self.running[i] for i in keep]
+        if not keep:
+            self.keys, self.values, self.mask = [], [], torch.zeros(0, 0, dtype=torch.long)
+            return
+        idx = torch.tensor(keep)
+        self.mask = self.mask[idx]
+        # Trim columns that are padding for every remaining row, so the cache does not grow without bound.
+        start = int((self.mask.sum(0) > 0).nonzero()[0]) if self.mask.numel() else 0
+        self.mask = self.mask[:, start:]
+        self.keys = [k[idx][:, :, start:] for k in self.keys]
+        self.values = [v[idx][:, :, start:] for v in self.values]
+
+
+def load_model(model_path: str, dtype: str = "float32"):
+    """HF causal LM in fp32 on CPU (the CPU server's only precision: log-probs must match the trainer's)."""
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in ("auto", "float", "float32"):
+        raise ValueError(f"--dtype {dtype}: the CPU server runs float32 only (use auto, float or float32)")
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+
+
+def request_params(sp: dict[str, Any]) -> SamplingParams:
+    """SGLang sampling_params dict -> SamplingParams; known-but-unsupported knobs raise ValueError."""
+    neutral = {"stop": (None, "", []), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
+               "repetition_penalty": (1, 1.0), "logit_bias": (None, {})}
+    unsupported = sorted(k for k, ok in neutral.items() if k in sp and sp[k] not in ok)
+    if unsupported:
+        raise ValueError(f"sampling_params {unsupported} are not supported by the CPU server "
+                         "(no tokenizer, no penalties); leave them at SGLang's defaults")
+    mnt = sp.get("max_new_tokens", 128)
+    return SamplingParams(max_new_tokens=128 if mnt is None else mnt, temperature=float(sp.get("temperature", 1.0)),
+                          top_p=float(sp.get("top_p", 1.0)), top_k=int(sp.get("top_k", -1)),
+                          min_p=float(sp.get("min_p", 0.0)), stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
+                          ignore_eos=bool(sp.get("ignore_eos", False)),
+                          min_new_tokens=int(sp.get("min_new_tokens", 0)), sampling_seed=sp.get("sampling_seed"))

@@ -1,0 +1,436 @@
+"""CPU stand-in for an SGLang server: the same HTTP endpoints, request fields and responses (the subset the
+project uses, see docs/rollout.md), so the client, weight sync and training loop are identical on a laptop.
+
+    python -m m2po_megatron.rollout.local_server --model-path DIR [--host 127.0.0.1] [--port 30000]
+        [--api-key KEY] [--skip-tokenizer-init] [--random-seed N] [--context-length N]
+        [--max-running-requests N] [--weight-version V] [--dtype float32]
+
+Flags are named like SGLang's. There is no tokenizer: input_ids in, output_ids out."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import hmac
+import io
+import json
+import logging
+import os
+import pathlib
+import socket
+import sys
+import time
+import uuid
+
+log = logging.getLogger("m2po.local_server")
+
+# Known SGLang /generate fields this server cannot honour: a non-default value is refused (400), not ignored.
+_GENERATE_UNSUPPORTED = {"text": None, "input_embeds": None, "image_data": None, "video_data": None,
+                         "audio_data": None, "stream": False, "logprob_start_len": None, "top_logprobs_num": None,
+                         "token_ids_logprob": None, "return_hidden_states": False, "lora_path": None,
+                         "lora_id": None, "custom_logit_processor": None, "session_params": None,
+                         "sampling_logprobs_mode": None, "return_sampling_mask": None, "return_entropy": False,
+                         "return_routed_experts": False, "input_token_logprobs": None}
+_HEALTH_PATHS = ("/health", "/health_generate")
+
+
+def _json_error(status: int, message: str):
+    from aiohttp import web
+
+    return web.json_response({"error": {"message": message, "code": status}, "success": False,
+                              "message": message}, status=status)
+
+
+class LocalServer:
+    def __init__(self, engine, args):
+        self.engine = engine
+        self.args = args
+        self.groups: dict[str, object] = {}
+        self._update_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ app
+    def app(self):
+        from aiohttp import web
+
+        @web.middleware
+        async def auth(request, handler):
+            return await self._auth_impl(request, handler)
+
+        @web.middleware
+        async def errors(request, handler):
+            return await self._errors_impl(request, handler)
+
+        app = web.Application(middlewares=[auth, errors], client_max_size=1 << 31)
+        r = app.router
+        for path, h in [("/health", self.health), ("/health_generate", self.health_generate),
+                        ("/get_model_info", self.model_info), ("/get_server_info", self.server_info),
+                        ("/flush_cache", self.flush_cache)]:
+            r.add_get(path, h)
+            r.add_post(path, h)
+        for path, h in [("/generate", self.generate), ("/init_weights_update_group", self.init_group),
+                        ("/destroy_weights_update_group", self.destroy_group),
+                        ("/update_weights_from_distributed", self.update_distributed),
+                        ("/update_weights_from_tensor", self.update_tensor),
+                        ("/update_weight_version", self.update_weight_version),
+                        ("/pause_generation", self.pause), ("/continue_generation", self.resume),
+                        ("/abort_request", self.abort)]:
+            r.add_post(path, h)
+        return app
+
+    async def _auth_impl(self, request, handler):
+        key = self.args.api_key
+        if key and not request.path.startswith(_HEALTH_PATHS):
+            got = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {key}".encode()):
+                from aiohttp import web
+
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    async def _errors_impl(self, request, handler):
+        from m2po_megatron.rollout.protocol import ProtocolError
+
+        try:
+            return await handler(request)
+        except (ProtocolError, ValueError, KeyError, json.JSONDecodeError) as e:
+            return _json_error(400, str(e))
+
+    async def _body(self, request, endpoint: str) -> dict:
+        from m2po_megatron.rollout.protocol import validate_request
+
+        raw = await request.read()
+        body = json.loads(raw) if raw.strip() else {}
+        return validate_request(endpoint, body)
+
+    # ------------------------------------------------------------------ health / info
+    async def health(self, request):
+        from aiohttp import web
+
+        if not self.engine.alive():
+            return _json_error(503, f"engine stopped: {self.engine.error!r}")
+        return web.Response(status=200)
+
+    async def health_generate(self, request):
+        from aiohttp import web
+
+        if not self.engine.alive():
+            return _json_error(503, f"engine stopped: {self.engine.error!r}")
+        if self.engine.paused:  # a paused engine is healthy; it would not answer a generation now
+            return web.Response(status=200)
+        from m2po_megatron.rollout.engine import SamplingParams
+
+        try:
+            await asyncio.wait_for(self._run([0], SamplingParams(max_new_tokens=1), 1, "health-" + uuid.uuid4().hex),
+                                   timeout=30)
+        except asyncio.TimeoutError:
+            return _json_error(503, "health_generate timed out")
+        return web.Response(status=200)
+
+    async def model_info(self, request):
+        from aiohttp import web
+
+        return web.json_response({"model_path": self.args.model_path, "tokenizer_path": None,
+                                  "is_generation": True, "preferred_sampling_params": None,
+                                  "weight_version": self.engine.weight_version, "has_image_understanding": False,
+                                  "has_audio_understanding": False, "model_type": self.engine.model.config.model_type,
+                                  "architectures": getattr(self.engine.model.config, "architectures", None)})
+
+    async def server_info(self, request):
+        from aiohttp import web
+
+        info = {k: v for k, v in vars(self.args).items() if k != "api_key"}  # never echo the key
+        info.update(version="m2po-local-cpu", engine="local", weight_version=self.engine.weight_version,
+                    internal_states=[self.engine.stats()])
+        return web.json_response(info)
+
+    async def flush_cache(self, request):
+        from aiohttp import web
+
+        if request.method == "POST":
+            await self._body(request, "POST /flush_cache")
+        return web.Response(text="Cache flushed.\n", status=200)  # no prefix cache on CPU: nothing to drop
+
+    # ------------------------------------------------------------------ generation
+    async def _run(self, prompt, sp, n, rid):
+        loop = asyncio.get_running_loop()
+        pending = {"left": n, "seqs": []}
+        fut = loop.create_future()
+
+        def done(seq):  # engine thread
+            def mark():
+                pending["left"] -= 1
+                if pending["left"] == 0 and not fut.done():
+                    fut.set_result(None)
+            loop.call_soon_threadsafe(mark)
+
+        seqs = self.engine.submit(prompt, sp, n, done, rid=rid)
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:  # the client went away: stop spending compute on it
+            self.engine.abort(rid)
+            raise
+        return seqs
+
+    async def generate(self, request):
+        from aiohttp import web
+
+        from m2po_megatron.rollout.engine import request_params
+
+        body = await self._body(request, "POST /generate")
+        bad = [k for k, default in _GENERATE_UNSUPPORTED.items() if k in body and body[k] not in (default, False)]
+        if bad:
+            raise ValueError(f"/generate fields {bad} are not supported by the CPU server (no tokenizer, no "
+                             "streaming, output logprobs only); send input_ids")
+        ids = body.get("input_ids")
+        if ids is None:
+            raise ValueError("input_ids is required (the CPU server runs with skip_tokenizer_init semantics)")
+        batch = ids and isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        sps = body.get("sampling_params") or {}
+        sps = sps if isinstance(sps, list) else [sps] * len(prompts)
+        rids = body.get("rid")
+        rids = rids if isinstance(rids, list) else [rids if not batch else None] * len(prompts)
+        if len(sps) != len(prompts) or len(rids) != len(prompts):
+            raise ValueError("sampling_params / rid lists must have one entry per prompt in input_ids")
+        rlp = body.get("return_logprob") or False
+        rlps = rlp if isinstance(rlp, list) else [rlp] * len(prompts)
+        params = [request_params(sp) for sp in sps]
+        if not self.engine.alive():
+            return _json_error(503, f"engine stopped: {self.engine.error!r}")
+        t0 = time.monotonic()
+        jobs = [self._run(p, sp, int(raw.get("n", 1)), rid or uuid.uuid4().hex)
+                for p, sp, raw, rid in zip(prompts, params, sps, rids)]
+        results = await asyncio.gather(*jobs)
+        from m2po_megatron.rollout.protocol import spans_from_versions
+
+        out = []
+        for seqs, want_lp in zip(results, rlps):
+            for s in seqs:
+                spans = spans_from_versions(s.versions) or [{"version": self.engine.weight_version, "start": 0,
+                                                             "end": 0}]
+                meta = {"id": s.rid, "finish_reason": s.finish, "prompt_tokens": len(s.prompt),
+                        "completion_tokens": len(s.out), "cached_tokens": 0,
+                        "weight_version": spans[-1]["version"], "weight_versions": spans,
+                        "e2e_latency": time.monotonic() - t0}
+                if want_lp:
+                    meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.logprobs, s.out)]
+                out.append({"output_ids": list(s.out), "meta_info": meta})
+        single = not batch and int(sps[0].get("n", 1)) == 1
+        return web.json_response(out[0] if single else out)
+
+    async def abort(self, request):
+        from aiohttp import web
+
+        body = await self._body(request, "POST /abort_request")
+        if body.get("abort_all"):
+            n = self.engine.abort(None, body.get("abort_message") or "Abort request")
+        elif body.get("rid"):
+            n = self.engine.abort(body["rid"], body.get("abort_message") or "Abort request")
+        else:
+            n = 0
+        return web.json_response({"success": True, "message": f"aborted {n} sequence(s)"})
+
+    async def pause(self, request):
+        from aiohttp import web
+
+        body = await self._body(request, "POST /pause_generation")
+        self.engine.pause(body.get("mode", "abort"))
+        return web.json_response({"success": True, "message": "Generation paused successfully."})
+
+    async def resume(self, request):
+        from aiohttp import web
+
+        await self._body(request, "POST /continue_generation")
+        self.engine.resume()
+        return web.json_response({"success": True, "message": "Generation continued successfully."})
+
+    # ------------------------------------------------------------------ weights
+    async def init_group(self, request):
+        from aiohttp import web
+
+        from m2po_megatron.rollout.process_group import init_custom_process_group
+
+        body = await self._body(request, "POST /init_weights_update_group")
+        backend = body.get("backend", "nccl")
+        if backend != "gloo":
+            raise ValueError(f"backend {backend!r}: the CPU server joins weight-update groups over gloo only")
+        name = body.get("group_name", "weight_update_group")
+        if name in self.groups:
+            raise ValueError(f"weight update group {name!r} already exists; destroy it first")
+        pg = await asyncio.to_thread(init_custom_process_group, backend="gloo",
+                                     master_address=body["master_address"], master_port=body["master_port"],
+                                     world_size=body["world_size"], rank=body["rank_offset"], group_name=name,
+                                     timeout_s=float(os.environ.get("M2PO_WEIGHT_SYNC_TIMEOUT_S", "600")))
+        self.groups[name] = pg
+        return web.json_response({"success": True, "message": f"Succeeded to initialize group {name}."})
+
+    async def destroy_group(self, request):
+        from aiohttp import web
+
+        from m2po_megatron.rollout.process_group import destroy_custom_process_group
+
+        body = await self._body(request, "POST /destroy_weights_update_group")
+        name = body.get("group_name", "weight_update_group")
+        pg = self.groups.pop(name, None)
+        if pg is None:
+            raise ValueError(f"no weight update group {name!r}")
+        destroy_custom_process_group(pg)
+        return web.json_response({"success": True, "message": f"Succeeded to destroy group {name}."})
+
+    async def update_distributed(self, request):
+        from aiohttp import web
+
+        body = await self._body(request, "POST /update_weights_from_distributed")
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError("names, dtypes and shapes must have the same length")
+        name = body.get("group_name", "weight_update_group")
+        pg = self.groups.get(name)
+        if pg is None:
+            raise ValueError(f"no weight update group {name!r}: call /init_weights_update_group first")
+        if body.get("load_format") not in (None, "auto"):
+            raise ValueError(f"load_format {body['load_format']!r} is not supported by the CPU server")
+        async with self._update_lock:
+            # Receive every tensor first (generation keeps running meanwhile): refusing midway would leave
+            # the trainer's broadcast waiting for this rank.
+            tensors = await asyncio.to_thread(_receive, pg, dtypes, shapes)
+            if body.get("abort_all_requests"):
+                self.engine.abort(None, "Abort by weight update")
+            self.engine.load_weights(list(zip(names, tensors)), body.get("weight_version"))
+        return web.json_response({"success": True, "message": f"Succeeded to update {len(names)} tensor(s)."})
+
+    async def update_tensor(self, request):
+        from aiohttp import web
+
+        import torch
+
+        body = await self._body(request, "POST /update_weights_from_tensor")
+        if body.get("load_format") not in (None, "auto"):
+            raise ValueError(f"load_format {body['load_format']!r} is not supported by the CPU server")
+        payload = base64.b64decode(body["serialized_named_tensors"][0])  # TP rank 0's share; CPU has one rank
+        named = torch.load(io.BytesIO(payload), weights_only=True)
+        if not isinstance(named, (list, tuple)) or not all(isinstance(x, (list, tuple)) and len(x) == 2 for x in named):
+            raise ValueError("serialized_named_tensors[0] must be torch.save([(name, tensor), ...]) in base64")
+        async with self._update_lock:
+            if body.get("abort_all_requests"):
+                self.engine.abort(None, "Abort by weight update")
+            self.engine.load_weights([(str(n), t) for n, t in named], body.get("weight_version"))
+        return web.json_response({"success": True, "message": f"Succeeded to update {len(named)} tensor(s)."})
+
+    async def update_weight_version(self, request):
+        from aiohttp import web
+
+        body = await self._body(request, "POST /update_weight_version")
+        if body.get("abort_all_requests", True):
+            self.engine.abort(None, "Abort by weight version update")
+        self.engine.load_weights([], body["new_version"])
+        return web.json_response({"success": True, "message": f"weight version {body['new_version']}"})
+
+
+def _receive(pg, dtypes, shapes):
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for dt, shape in zip(dtypes, shapes):
+        t = torch.empty(shape, dtype=getattr(torch, str(dt).removeprefix("torch.")))
+        dist.broadcast(t, src=0, group=pg)
+        out.append(t)
+    return out
+
+
+def serialize_named_tensors(named) -> str:
+    """Body element for the CPU server's /update_weights_from_tensor (base64 of torch.save)."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save([(n, t.detach().cpu()) for n, t in named], buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m m2po_megatron.rollout.local_server",
+                                description="CPU server speaking SGLang's HTTP protocol (subset).")
+    p.add_argument("--model-path", required=True, help="HF model directory (config.json + weights)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (health exempt)")
+    p.add_argument("--skip-tokenizer-init", action="store_true", help="accepted; this server has no tokenizer")
+    p.add_argument("--dtype", default="auto", help="auto | float | float32 (the CPU server runs fp32)")
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--random-seed", type=int, default=None)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--tp-size", type=int, default=1, help="must be 1 on CPU")
+    p.add_argument("--dp-size", type=int, default=1, help="must be 1 on CPU (start several servers instead)")
+    p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, unused (no static pool)")
+    p.add_argument("--quantization", default=None, help="must be unset on CPU")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--served-model-name", default=None)
+    return p
+
+
+def check_args(args) -> None:
+    """Cheap checks before the model loads; SystemExit(2) with a message naming the flag."""
+    if args.tp_size != 1 or args.dp_size != 1:
+        sys.exit(f"--tp-size/--dp-size must be 1 on the CPU server (got {args.tp_size}/{args.dp_size}); "
+                 "start one server per replica")
+    if args.quantization:
+        sys.exit(f"--quantization {args.quantization}: quantized serving needs SGLang on a GPU")
+    if args.dtype not in ("auto", "float", "float32"):
+        sys.exit(f"--dtype {args.dtype}: the CPU server runs float32 only")
+    mp = pathlib.Path(args.model_path)
+    if not (mp / "config.json").is_file():
+        sys.exit(f"--model-path {args.model_path}: no config.json there (a local HF model directory is needed)")
+    with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:
+        try:
+            s.bind((args.host, args.port))
+        except OSError as e:
+            sys.exit(f"--host {args.host} --port {args.port}: cannot bind ({e.strerror}); pick a free port")
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    check_args(args)
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("M2PO_CPU_SERVER_THREADS", min(2, os.cpu_count() or 1))))
+    from aiohttp import web
+
+    from m2po_megatron.rollout.engine import Engine, load_model
+
+    if args.random_seed is not None:
+        torch.manual_seed(args.random_seed)
+    model = load_model(args.model_path, args.dtype)
+    engine = Engine(model, weight_version=args.weight_version, max_running_requests=args.max_running_requests or 256,
+                    context_length=args.context_length, random_seed=args.random_seed)
+
+    async def start():
+        server = LocalServer(engine, args)
+        runner = web.AppRunner(server.app(), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, args.host, args.port).start()
+        log.info("serving %s on http://%s:%d (auth %s)", args.model_path, args.host, args.port,
+                 "on" if args.api_key else "off")
+        print(f"The server is fired up and ready to roll! http://{args.host}:{args.port}", flush=True)
+        return runner
+
+    loop = asyncio.new_event_loop()
+    runner = loop.run_until_complete(start())
+    try:
+        import signal
+
+        loop.add_signal_handler(signal.SIGTERM, loop.stop)
+        loop.run_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        loop.run_until_complete(runner.cleanup())
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
