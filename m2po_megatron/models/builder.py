@@ -1,0 +1,169 @@
+"""HF config -> Megatron TransformerConfig and GPTModel (local spec on CPU, Transformer Engine spec on GPU).
+
+Megatron is imported inside the functions; callers must have initialized Megatron's parallel state
+(m2po_megatron.actor.parallel.init_distributed) before building a model."""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from m2po_megatron.device import has_cuda
+from m2po_megatron.models.hf_config import HFModelSpec, UnsupportedModelError, read_hf_config
+
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+
+
+def te_available() -> bool:
+    """Transformer Engine usable: importable *and* a CUDA GPU present (it cannot run on CPU)."""
+    return has_cuda() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def _dtype(x):
+    import torch
+
+    if x is None or isinstance(x, torch.dtype):
+        return x
+    names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if x not in names:
+        raise ValueError(f"unknown dtype {x!r}; use one of {sorted(names)}")
+    return names[x]
+
+
+def validate_fp8(fp8: str | None, fp8_recipe: str | None) -> None:
+    """fp8 settings are passed through to Megatron; they need Transformer Engine on a GPU."""
+    if fp8 is None:
+        if fp8_recipe is not None:
+            raise ValueError(f"fp8_recipe={fp8_recipe!r} given without fp8; set fp8 to one of {FP8_FORMATS}")
+        return
+    if fp8 not in FP8_FORMATS:
+        raise ValueError(f"fp8={fp8!r} is not supported; use one of {FP8_FORMATS} or None")
+    if fp8_recipe is not None and fp8_recipe not in FP8_RECIPES:
+        raise ValueError(f"fp8_recipe={fp8_recipe!r} is not supported; use one of {FP8_RECIPES}")
+    if not te_available():
+        raise ValueError("fp8 training needs Transformer Engine and a CUDA GPU (not available here); "
+                         "set fp8=None")
+
+
+def transformer_config_from_hf(hf_config: Any, *, params_dtype=None, tensor_model_parallel_size: int | None = None,
+                               pipeline_model_parallel_size: int | None = None,
+                               virtual_pipeline_model_parallel_size: int | None = None,
+                               context_parallel_size: int | None = None, sequence_parallel: bool = False,
+                               pipeline_dtype=None, fp8: str | None = None, fp8_recipe: str | None = None,
+                               **overrides):
+    """Megatron TransformerConfig for a supported HF model.
+
+    hf_config: directory, config.json path, dict, PretrainedConfig or HFModelSpec. Parallel sizes default to
+    Megatron's initialized parallel state (or 1). params_dtype defaults to bf16 with CUDA, fp32 on CPU.
+    pipeline_dtype defaults to params_dtype. `overrides` are passed to TransformerConfig unchanged (e.g.
+    recompute_granularity, hidden_dropout)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+
+    spec = hf_config if isinstance(hf_config, HFModelSpec) else read_hf_config(hf_config)
+    init = ps.model_parallel_is_initialized()
+    tp = tensor_model_parallel_size or (ps.get_tensor_model_parallel_world_size() if init else 1)
+    pp = pipeline_model_parallel_size or (ps.get_pipeline_model_parallel_world_size() if init else 1)
+    cp = context_parallel_size or (ps.get_context_parallel_world_size() if init else 1)
+    if virtual_pipeline_model_parallel_size is None and init:
+        virtual_pipeline_model_parallel_size = ps.get_virtual_pipeline_model_parallel_world_size()
+    vpp = virtual_pipeline_model_parallel_size if (virtual_pipeline_model_parallel_size or 1) > 1 else None
+    validate_layout(spec, tp, pp, vpp)
+    validate_fp8(fp8, fp8_recipe)
+    dtype = _dtype(params_dtype) or (torch.bfloat16 if has_cuda() else torch.float32)
+    cuda = has_cuda()
+    kwargs = dict(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_key_value_heads, kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.intermediate_size, gated_linear_unit=True, activation_func=F.silu,
+        normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
+        sequence_parallel=bool(sequence_parallel and tp > 1), params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        pipeline_dtype=_dtype(pipeline_dtype) or dtype, fp8=fp8, fp8_recipe=fp8_recipe or "delayed",
+        # Fused kernels need CUDA; the pure-PyTorch paths are used on CPU.
+        bias_activation_fusion=cuda, bias_dropout_fusion=cuda, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True, use_cpu_initialization=not cuda,
+    )
+    kwargs.update(overrides)
+    if kwargs["fp8"] is None:
+        kwargs.pop("fp8_recipe")
+    return TransformerConfig(**kwargs)
+
+
+def validate_layout(spec: HFModelSpec, tp: int, pp: int, vpp: int | None = None) -> None:
+    """Clear errors for parallel sizes the model cannot be split into."""
+    for what, n in (("num_attention_heads", spec.num_attention_heads),
+                    ("num_key_value_heads", spec.num_key_value_heads),
+                    ("intermediate_size", spec.intermediate_size), ("vocab_size", spec.vocab_size)):
+        if n % tp:
+            raise ValueError(f"{what}={n} is not divisible by tensor_model_parallel_size={tp}")
+    stages = pp * (vpp or 1)
+    if spec.num_layers % stages:
+        raise ValueError(f"num_hidden_layers={spec.num_layers} is not divisible by pipeline_model_parallel_size"
+                         f" * virtual_pipeline_model_parallel_size = {stages}")
+
+
+def layer_spec(spec: HFModelSpec, use_te: bool | None = None):
+    """Megatron layer spec: Transformer Engine when usable (GPU), else the local pure-PyTorch spec."""
+    from megatron.core.models.gpt import gpt_layer_specs as s
+
+    if use_te is None:
+        use_te = te_available()
+    if use_te:
+        return s.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+    return s.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+
+
+def build_gpt_model(hf_config: Any, config, *, pre_process: bool | None = None, post_process: bool | None = None,
+                    vp_stage: int | None = None, use_te: bool | None = None, parallel_output: bool = True):
+    """One GPTModel (chunk) for this rank. pre_process/post_process default to this rank being the first/last
+    pipeline stage (for vp_stage when given). Returns the model on the current device."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    spec = hf_config if isinstance(hf_config, HFModelSpec) else read_hf_config(hf_config)
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    rs = spec.rope_scaling
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer_spec(spec, use_te), vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        parallel_output=parallel_output, share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope", rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer()
+        else spec.rope_theta, rope_scaling=rs is not None,
+        rope_scaling_factor=rs["factor"] if rs else 8.0, vp_stage=vp_stage)
+    if rs is not None and hasattr(model, "rotary_pos_emb"):
+        # Megatron fixes low/high_freq_factor and the original context length at Llama 3.1's values;
+        # recompute with the checkpoint's own values so any llama3-style config matches HF.
+        emb = model.rotary_pos_emb
+        dim = spec.head_dim
+        base = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32,
+                                                          device=emb.inv_freq.device) / dim))
+        emb.inv_freq = emb._apply_scaling(base, factor=rs["factor"], low_freq_factor=rs["low_freq_factor"],
+                                          high_freq_factor=rs["high_freq_factor"],
+                                          original_max_position_embeddings=rs["original_max_position_embeddings"])
+    if has_cuda():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def build_model_chunks(hf_config: Any, config, *, use_te: bool | None = None) -> list:
+    """All model chunks of this rank: one per virtual pipeline stage (a single chunk without VPP)."""
+    vpp = config.virtual_pipeline_model_parallel_size
+    if not vpp or vpp == 1:
+        return [build_gpt_model(hf_config, config, use_te=use_te)]
+    return [build_gpt_model(hf_config, config, vp_stage=i, use_te=use_te) for i in range(vpp)]
+
+
+__all__ = ["transformer_config_from_hf", "build_gpt_model", "build_model_chunks", "layer_spec", "te_available",
+           "validate_fp8", "validate_layout", "UnsupportedModelError"]

@@ -1,0 +1,93 @@
+"""Megatron (local spec, CPU/gloo) logits equal HF transformers logits for tiny random models."""
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from tiny import make_hf_model, tiny_config
+
+ARCHS = ["qwen2_untied", "qwen2_tied", "qwen3", "llama32"]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def megatron_tp1():
+    from m2po_megatron.actor import parallel
+
+    torch.set_num_threads(1)
+    parallel.init_distributed()
+    yield
+    parallel.destroy_distributed()
+
+
+def _cfg(name, shared):
+    if name != "qwen2_untied" and shared is None:
+        pytest.skip("../shared configs absent")
+    return tiny_config(name, shared)
+
+
+@pytest.fixture(scope="module")
+def shared_or_none():
+    from tests_conf_shared import shared_path
+
+    return shared_path()
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("name", ARCHS)
+def test_tp1_logits_match_hf(megatron_tp1, shared_or_none, name):
+    from m2po_megatron import models
+
+    cfg = _cfg(name, shared_or_none)
+    hf = make_hf_model(cfg)
+    m = models.build_gpt_model(cfg, models.transformer_config_from_hf(cfg))
+    assert models.load_hf_weights(m, hf) == sum(1 for _ in m.parameters())
+    ids = torch.randint(0, cfg["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(40).unsqueeze(0).expand(2, -1)
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        out = m(input_ids=ids, position_ids=pos, attention_mask=None)
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max().item() <= TOL
+    if name == "llama32":
+        # The llama3 rope scaling matters at these positions: without it HF gives other logits.
+        plain = make_hf_model({**cfg, "rope_scaling": None})
+        with torch.no_grad():
+            assert (plain(input_ids=ids).logits - ref).abs().max().item() > 1e-3
+
+
+def _run(tp, pp, names, shared, tmp_path, timeout):
+    from mp import run_ranks
+
+    run_ranks(os.path.join(os.path.dirname(__file__), "mp_worker.py"),
+              [str(tp), str(pp), str(shared), str(tmp_path), *names], tp * pp, timeout=timeout)
+    results = [json.load(open(f)) for f in sorted(glob.glob(str(tmp_path / "rank*.json")))]
+    assert len(results) == tp * pp
+    merged = {}
+    for r in results:
+        merged.update(r)
+    assert sorted(merged) == sorted(names)  # some last-stage rank reported every model
+    for name, diff in merged.items():
+        assert diff <= TOL, (name, diff)
+
+
+def _names(shared):
+    return ARCHS if shared is not None else ["qwen2_untied"]
+
+
+@pytest.mark.timeout(300)
+def test_tp2_logits_match_hf(shared_or_none, tmp_path):
+    _run(2, 1, _names(shared_or_none), shared_or_none, tmp_path, 280)
+
+
+@pytest.mark.timeout(300)
+def test_pp2_logits_match_hf(shared_or_none, tmp_path):
+    _run(1, 2, _names(shared_or_none), shared_or_none, tmp_path, 280)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tp2_pp2_logits_match_hf(shared_or_none, tmp_path):
+    _run(2, 2, _names(shared_or_none), shared_or_none, tmp_path, 580)
