@@ -30,7 +30,7 @@ _GENERATE_UNSUPPORTED = {"text": None, "input_embeds": None, "image_data": None,
                          "token_ids_logprob": None, "return_hidden_states": False, "lora_path": None,
                          "lora_id": None, "custom_logit_processor": None, "session_params": None,
                          "sampling_logprobs_mode": None, "return_sampling_mask": None, "return_entropy": False,
-                         "return_routed_experts": False, "input_token_logprobs": None}
+                         "return_routed_experts": False}
 _HEALTH_PATHS = ("/health", "/health_generate")
 
 
@@ -384,6 +384,7 @@ def check_args(args) -> None:
     if not (mp / "config.json").is_file():
         sys.exit(f"--model-path {args.model_path}: no config.json there (a local HF model directory is needed)")
     with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # like aiohttp: only a live listener conflicts
         try:
             s.bind((args.host, args.port))
         except OSError as e:

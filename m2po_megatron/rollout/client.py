@@ -1,0 +1,298 @@
+"""Asyncio client for SGLang servers (or our CPU server): pooled connections, per-server concurrency bounds,
+least-outstanding balancing across servers, timeouts, bounded re-issue of requests whose server died.
+
+    client = RolloutClient(["http://10.0.0.5:30000", ...], api_key=None)
+    samples = await client.generate(prompt_ids, {"temperature": 1.0, "max_new_tokens": 512}, n=8)
+
+From non-async code (e.g. the training loop's background generation) use SyncRolloutClient, which owns an
+event loop in a daemon thread and returns concurrent.futures.Future objects."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import threading
+import time
+import uuid
+from typing import Any, Sequence
+
+from m2po_megatron.rollout import protocol
+
+
+@dataclasses.dataclass
+class SampleResult:
+    output_ids: list[int]
+    output_logprobs: list[float]   # behaviour log-probs, one per output token (see sampling.py for semantics)
+    token_versions: list[int]      # weight version that produced each output token
+    finish_reason: str             # "stop" | "length" | "abort"
+    prompt_tokens: int
+    weight_version: int            # the server's version when the sample finished
+    server: str = ""
+    meta_info: dict = dataclasses.field(default_factory=dict, repr=False)
+
+
+@dataclasses.dataclass
+class ClientStats:
+    requests: int = 0      # sample requests issued by callers
+    completed: int = 0
+    reissued: int = 0      # attempts repeated on another (or the restarted) server after a failure
+    failed: int = 0        # gave up after max_retries / no healthy server
+    aborted: int = 0       # finished with finish_reason "abort" (pause mode abort, /abort_request)
+    per_server: dict = dataclasses.field(default_factory=dict)
+
+
+class RolloutFailed(RuntimeError):
+    """A request could not be served by any server within the retry budget."""
+
+
+class RolloutRequestError(ValueError):
+    """The server refused the request (HTTP 4xx); retrying elsewhere would not help."""
+
+
+_RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+def version_to_int(v: Any, default: int = 0) -> int:
+    """SGLang versions are strings; the trainer's are optimizer-step counts. "default" (never synced) -> default."""
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return default
+
+
+def build_generate_body(prompt_ids: Sequence[int], sampling_params: dict | None, rid: str,
+                        return_logprob: bool = True) -> dict:
+    """The /generate body for one sample (n is expanded by the client). Raises ProtocolError early."""
+    sp = dict(sampling_params or {})
+    sp.pop("n", None)
+    body = {"rid": rid, "input_ids": [int(t) for t in prompt_ids], "sampling_params": sp,
+            "return_logprob": bool(return_logprob)}
+    return protocol.validate_request("POST /generate", body)
+
+
+class _Server:
+    def __init__(self, url: str, limit: int):
+        self.url = url.rstrip("/")
+        self.sem = asyncio.Semaphore(limit)
+        self.outstanding = 0
+        self.down_until = 0.0
+        self.errors = 0
+        self.completed = 0
+
+
+class RolloutClient:
+    def __init__(self, urls: Sequence[str], *, api_key: str | None = None, max_concurrency_per_server: int = 64,
+                 request_timeout_s: float = 3600.0, connect_timeout_s: float = 10.0, max_retries: int = 5,
+                 retry_backoff_s: float = 0.5, wait_for_server_s: float = 300.0, initial_version: int = 0):
+        if not urls:
+            raise ValueError("RolloutClient needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.api_key = api_key
+        self.limit = max_concurrency_per_server
+        self.request_timeout_s = request_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.wait_for_server_s = wait_for_server_s
+        self.initial_version = initial_version
+        self.stats = ClientStats()
+        self._servers: list[_Server] | None = None
+        self._session = None
+        self._rr = itertools.count()
+
+    # ------------------------------------------------------------------ plumbing
+    async def _ensure(self):
+        import aiohttp
+
+        if self._session is None:
+            self._servers = [_Server(u, self.limit) for u in self.urls]
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            conn = aiohttp.TCPConnector(limit=0, limit_per_host=self.limit + 8, keepalive_timeout=60)
+            self._session = aiohttp.ClientSession(connector=conn, headers=headers)
+        return self._session
+
+    def _timeout(self, total: float | None = None):
+        import aiohttp
+
+        return aiohttp.ClientTimeout(total=total or self.request_timeout_s, sock_connect=self.connect_timeout_s)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self):
+        await self._ensure()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def _probe(self, srv: _Server) -> bool:
+        import aiohttp
+
+        try:
+            async with self._session.get(f"{srv.url}/health", timeout=self._timeout(5.0)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def _pick(self) -> _Server:
+        """Least outstanding among servers not marked down; when all are down, poll /health until one is back
+        (a restarted server) or wait_for_server_s passes."""
+        deadline = time.monotonic() + self.wait_for_server_s
+        while True:
+            now = time.monotonic()
+            up = [s for s in self._servers if s.down_until <= now]
+            if up:
+                k = next(self._rr)
+                return min(up, key=lambda s: (s.outstanding, (self._servers.index(s) - k) % len(self._servers)))
+            for s in self._servers:
+                if await self._probe(s):
+                    s.down_until = 0.0
+            if not any(s.down_until == 0.0 for s in self._servers):
+                if time.monotonic() > deadline:
+                    raise RolloutFailed(f"no healthy rollout server within {self.wait_for_server_s:.0f} s: {self.urls}")
+                await asyncio.sleep(0.5)
+
+    def _per_server(self):
+        self.stats.per_server = {s.url: {"outstanding": s.outstanding, "completed": s.completed,
+                                         "errors": s.errors, "down": s.down_until > time.monotonic()}
+                                 for s in self._servers}
+
+    async def _post_generate(self, body: dict) -> tuple[dict, str]:
+        import aiohttp
+
+        await self._ensure()
+        attempt = 0
+        while True:
+            srv = await self._pick()
+            srv.outstanding += 1
+            try:
+                async with srv.sem:
+                    async with self._session.post(f"{srv.url}/generate", json=body, timeout=self._timeout()) as r:
+                        if r.status == 200:
+                            srv.completed += 1
+                            return await r.json(), srv.url
+                        text = await r.text()
+                        if r.status not in _RETRYABLE_STATUS:
+                            raise RolloutRequestError(f"{srv.url}/generate answered {r.status}: {text[:500]}")
+                        raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=text[:200])
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                srv.errors += 1
+                srv.down_until = time.monotonic() + 3600  # until a /health probe sees it again
+                attempt += 1
+                if attempt > self.max_retries:
+                    self.stats.failed += 1
+                    raise RolloutFailed(f"request {body.get('rid')} failed {attempt} times; last: {e!r}") from e
+                self.stats.reissued += 1
+                await asyncio.sleep(self.retry_backoff_s)
+            finally:
+                srv.outstanding -= 1
+                self._per_server()
+
+    def _parse(self, resp: dict, url: str) -> SampleResult:
+        ids = list(resp["output_ids"])
+        meta = resp.get("meta_info", {})
+        lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
+        versions = [version_to_int(v, self.initial_version) for v in protocol.expand_weight_versions(meta, len(ids))]
+        fr = meta.get("finish_reason") or {}
+        reason = fr.get("type", "abort") if isinstance(fr, dict) else str(fr)
+        if reason == "abort":
+            self.stats.aborted += 1
+        return SampleResult(output_ids=ids, output_logprobs=lps, token_versions=versions, finish_reason=reason,
+                            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+                            weight_version=version_to_int(meta.get("weight_version"), self.initial_version),
+                            server=url, meta_info=meta)
+
+    # ------------------------------------------------------------------ public
+    async def generate(self, prompt_ids: Sequence[int], sampling_params: dict | None = None, n: int = 1,
+                       return_logprob: bool = True) -> list[SampleResult]:
+        """n samples of one prompt (token ids), each sent as its own request so they spread across servers
+        (SGLang's prefix cache shares the prompt on one server). With sampling_seed s, sample i uses s + i."""
+        sp = dict(sampling_params or {})
+        n = int(sp.pop("n", n) if n == 1 else n)
+        seed = sp.get("sampling_seed")
+        bodies = []
+        for i in range(n):
+            spi = dict(sp, sampling_seed=seed + i) if seed is not None else sp
+            bodies.append(build_generate_body(prompt_ids, spi, uuid.uuid4().hex, return_logprob))
+        self.stats.requests += n
+        out = await asyncio.gather(*(self._post_generate(b) for b in bodies))
+        results = [self._parse(r, url) for r, url in out]
+        self.stats.completed += n
+        return results
+
+    async def _broadcast(self, path: str, body: dict | None = None) -> list[dict]:
+        await self._ensure()
+        if body is not None:
+            protocol.validate_request(f"POST {path}", body)
+
+        async def one(srv):
+            async with self._session.post(f"{srv.url}{path}", json=body or {}, timeout=self._timeout(600)) as r:
+                text = await r.text()
+                if r.status != 200:
+                    raise RuntimeError(f"{srv.url}{path} answered {r.status}: {text[:300]}")
+                return {"url": srv.url, "status": r.status, "text": text}
+
+        return await asyncio.gather(*(one(s) for s in self._servers))
+
+    async def pause(self, mode: str = "retract") -> None:
+        """POST /pause_generation on every server. retract: keep requests, recompute their KV after the update;
+        abort: finish running requests with finish_reason "abort"; in_place: freeze them with their KV."""
+        await self._broadcast("/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._broadcast("/continue_generation", {})
+
+    async def abort_all(self) -> None:
+        await self._broadcast("/abort_request", {"abort_all": True})
+
+    async def health(self) -> dict[str, bool]:
+        await self._ensure()
+        return {s.url: await self._probe(s) for s in self._servers}
+
+
+class SyncRolloutClient:
+    """RolloutClient on its own event loop in a daemon thread, for synchronous callers.
+
+        client = SyncRolloutClient(urls)
+        fut = client.submit(prompt_ids, {"max_new_tokens": 256}, n=8)   # concurrent.futures.Future
+        samples = fut.result()                                        # list[SampleResult]
+    """
+
+    def __init__(self, urls: Sequence[str], **kwargs):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
+        self._thread.start()
+        self.client = RolloutClient(urls, **kwargs)
+
+    def _call(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def submit(self, prompt_ids, sampling_params=None, n: int = 1, return_logprob: bool = True):
+        return self._call(self.client.generate(prompt_ids, sampling_params, n, return_logprob))
+
+    def generate(self, prompt_ids, sampling_params=None, n: int = 1, return_logprob: bool = True,
+                 timeout: float | None = None) -> list[SampleResult]:
+        return self.submit(prompt_ids, sampling_params, n, return_logprob).result(timeout)
+
+    def pause(self, mode: str = "retract", timeout: float | None = 600) -> None:
+        self._call(self.client.pause(mode)).result(timeout)
+
+    def continue_generation(self, timeout: float | None = 600) -> None:
+        self._call(self.client.continue_generation()).result(timeout)
+
+    def abort_all(self, timeout: float | None = 600) -> None:
+        self._call(self.client.abort_all()).result(timeout)
+
+    @property
+    def stats(self) -> ClientStats:
+        return self.client.stats
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._call(self.client.close()).result(30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)

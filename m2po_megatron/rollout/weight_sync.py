@@ -1,0 +1,195 @@
+"""Trainer side of the weight transfer to the rollout servers (SGLang's update_weights_from_distributed).
+
+One group joins the trainer's source rank (group rank 0) and every engine rank, in the order of `urls`
+(server i's ranks start at rank_offset = 1 + sum of the ranks of servers before it). For each bucket of
+(hf_name, tensor) pairs the trainer POSTs the names/dtypes/shapes to every server and, while those requests
+are open, broadcasts each tensor from rank 0; the servers receive them in the same order and load them.
+Transport: NCCL on GPUs, gloo on CPU (m2po_megatron.device.dist_backend()).
+
+Only the source rank constructs this class. The group is built from its own TCP store (process_group.py),
+so the trainer's default (Megatron) process group is untouched."""
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import time
+from typing import Iterable, Sequence
+
+import torch
+
+from m2po_megatron.rollout import _http
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def init_group_body(master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+                    backend: str) -> dict:
+    return {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}
+
+
+def update_body(bucket: list[tuple[str, torch.Tensor]], group_name: str, weight_version: str | None,
+                flush_cache: bool) -> dict:
+    """/update_weights_from_distributed body for one bucket (dtype names without the "torch." prefix)."""
+    return {"names": [n for n, _ in bucket], "dtypes": [_dtype_name(t.dtype) for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket], "group_name": group_name, "flush_cache": flush_cache,
+            "abort_all_requests": False, "weight_version": weight_version}
+
+
+class DistributedWeightSync:
+    def __init__(self, urls: Sequence[str], *, master_address: str = "127.0.0.1", master_port: int = 0,
+                 ranks_per_server: int | Sequence[int] = 1, backend: str | None = None,
+                 group_name: str = "weight_update_group", mode: str = "pause", pause_mode: str = "retract",
+                 api_key: str | None = None, timeout_s: float = 600.0):
+        """mode "pause": POST /pause_generation {mode: pause_mode} before and /continue_generation after (every
+        token of a sample comes from one version unless pause_mode is in_place); mode "in_flight": servers keep
+        generating while tensors arrive and switch between decode steps (the weight_versions spans of a sample
+        then say which tokens came from which version). ranks_per_server: each server's TP size (one server per
+        DP replica)."""
+        if mode not in ("pause", "in_flight"):
+            raise ValueError(f"mode {mode!r} must be 'pause' or 'in_flight'")
+        if pause_mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause_mode {pause_mode!r} must be abort, retract or in_place")
+        self.urls = [u.rstrip("/") for u in urls]
+        if not self.urls:
+            raise ValueError("DistributedWeightSync needs at least one server URL")
+        ranks = [ranks_per_server] * len(self.urls) if isinstance(ranks_per_server, int) else list(ranks_per_server)
+        if len(ranks) != len(self.urls) or min(ranks) < 1:
+            raise ValueError(f"ranks_per_server {ranks_per_server!r} must give a positive count per server")
+        self.ranks = ranks
+        self.master_address = master_address
+        self.master_port = master_port
+        if backend is None:
+            from m2po_megatron.device import dist_backend
+
+            backend = dist_backend()
+        self.backend = backend
+        self.group_name = group_name
+        self.mode = mode
+        self.pause_mode = pause_mode
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.pg = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(4, len(self.urls)),
+                                                           thread_name_prefix="weight-sync")
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(self.ranks)
+
+    def _post_all(self, path: str, body_for) -> list[concurrent.futures.Future]:
+        return [self._pool.submit(_http.post_ok, f"{u}{path}", body_for(i), api_key=self.api_key,
+                                  timeout=self.timeout_s) for i, u in enumerate(self.urls)]
+
+    @staticmethod
+    def _wait(futs, what: str) -> list[dict]:
+        out, errors = [], []
+        for f in futs:
+            try:
+                out.append(f.result())
+            except Exception as e:  # noqa: BLE001 - report every server's failure together
+                errors.append(repr(e))
+        if errors:
+            raise RuntimeError(f"{what} failed on {len(errors)} server(s): {errors}")
+        return out
+
+    def init_group(self) -> None:
+        from m2po_megatron.rollout.process_group import init_custom_process_group
+
+        if self.pg is not None:
+            raise RuntimeError("the weight-sync group already exists; call close() first")
+        port = self.master_port or _free_port(self.master_address)
+        offsets = [1 + sum(self.ranks[:i]) for i in range(len(self.urls))]
+        futs = self._post_all("/init_weights_update_group", lambda i: init_group_body(
+            self.master_address, port, offsets[i], self.world_size, self.group_name, self.backend))
+        try:
+            self.pg = init_custom_process_group(backend=self.backend, master_address=self.master_address,
+                                                master_port=port, world_size=self.world_size, rank=0,
+                                                group_name=self.group_name, timeout_s=self.timeout_s)
+        except Exception as e:
+            failed = [repr(f.exception()) for f in futs if f.done() and f.exception()]
+            raise RuntimeError(f"creating the weight-sync group on {self.master_address}:{port} failed: {e!r}; "
+                               f"server answers: {failed}") from e
+        self._wait(futs, "/init_weights_update_group")
+
+    def sync(self, buckets_iter: Iterable[list[tuple[str, torch.Tensor]]], weight_version: int | str) -> dict:
+        """Send every bucket; the last one carries weight_version. Returns timing stats (seconds, GB/s)."""
+        import torch.distributed as dist
+
+        if self.pg is None:
+            raise RuntimeError("call init_group() before sync()")
+        t0 = time.perf_counter()
+        if self.mode == "pause":
+            self._wait(self._post_all("/pause_generation", lambda i: {"mode": self.pause_mode}), "pause_generation")
+        t_transfer = time.perf_counter()
+        nbytes = ntensors = nbuckets = 0
+        it = iter(buckets_iter)
+        bucket = next(it, None)
+        if bucket is None:
+            raise ValueError("the export iterator yielded no bucket; nothing to sync")
+        device = None
+        if self.backend == "nccl":
+            from m2po_megatron.device import device as _device
+
+            device = _device()
+        try:
+            while bucket is not None:
+                nxt = next(it, None)
+                last = nxt is None
+                tensors = [t.detach() for _, t in bucket]
+                if device is not None:
+                    tensors = [t.to(device, non_blocking=True) for t in tensors]
+                tensors = [t.contiguous() for t in tensors]
+                body = update_body(list(zip([n for n, _ in bucket], tensors)), self.group_name,
+                                   str(weight_version) if last else None, bool(last and self.mode == "pause"))
+                futs = self._post_all("/update_weights_from_distributed", lambda i: body)
+                works = [dist.broadcast(t, src=0, group=self.pg, async_op=True) for t in tensors]
+                for w in works:
+                    w.wait()
+                self._wait(futs, f"update_weights_from_distributed (bucket {nbuckets})")
+                nbytes += sum(t.numel() * t.element_size() for t in tensors)
+                ntensors += len(tensors)
+                nbuckets += 1
+                bucket = nxt
+        finally:
+            transfer_s = time.perf_counter() - t_transfer
+            if self.mode == "pause":
+                self._wait(self._post_all("/continue_generation", lambda i: {}), "continue_generation")
+        seconds = time.perf_counter() - t0
+        return {"seconds": seconds, "transfer_seconds": transfer_s, "bytes": nbytes,
+                "gb_per_s": nbytes / 1e9 / max(transfer_s, 1e-9), "num_buckets": nbuckets, "num_tensors": ntensors,
+                "weight_version": weight_version, "num_servers": len(self.urls), "backend": self.backend}
+
+    def close(self) -> None:
+        from m2po_megatron.rollout.process_group import destroy_custom_process_group
+
+        if self.pg is not None:
+            try:
+                self._wait(self._post_all("/destroy_weights_update_group",
+                                          lambda i: {"group_name": self.group_name}), "destroy_weights_update_group")
+            finally:
+                destroy_custom_process_group(self.pg)
+                self.pg = None
+        self._pool.shutdown(wait=False)
+
+
+def hf_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20):
+    """Group (name, tensor) pairs into lists of at most ~bucket_bytes (a tensor larger than that goes alone)."""
+    bucket, size = [], 0
+    for name, t in named_tensors:
+        b = t.numel() * t.element_size()
+        if bucket and size + b > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += b
+    if bucket:
+        yield bucket

@@ -1,0 +1,191 @@
+"""The CPU server over real HTTP: log-probs equal the trainer's, protocol refusals, auth, pause, and weight
+sync over gloo (pause mode and in flight). One server process serves the whole module (start ~10-40 s)."""
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from m2po_megatron.rollout import _http
+from m2po_megatron.rollout.client import RolloutClient, SyncRolloutClient
+from m2po_megatron.rollout.weight_sync import DistributedWeightSync, hf_buckets
+from tests.rollout.conftest import hf_logprobs, local_server
+
+KEY = "test-secret-key"
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    with local_server(tiny_model_dir, tmp_path_factory.mktemp("logs"), api_key=KEY, random_seed=0) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _gen_many(url, prompts, sp, n):
+    async with RolloutClient([url], api_key=KEY) as c:
+        return await asyncio.gather(*(c.generate(p, sp, n=n) for p in prompts)), c.stats
+
+
+def test_logprobs_equal_trainer_logprobs_under_concurrency(server, hf_model):
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16], [3], [20, 21, 22, 23]]
+    results, stats = run(_gen_many(server.url, prompts, {"temperature": 1.0, "max_new_tokens": 12}, n=3))
+    assert stats.completed == 12 and stats.reissued == 0
+    worst = 0.0
+    for prompt, samples in zip(prompts, results):
+        assert len(samples) == 3
+        for s in samples:
+            assert len(s.output_ids) == len(s.output_logprobs) == len(s.token_versions) > 0
+            assert s.prompt_tokens == len(prompt) and s.finish_reason in ("stop", "length")
+            ref = hf_logprobs(hf_model, prompt, s.output_ids)
+            worst = max(worst, (ref - torch.tensor(s.output_logprobs)).abs().max().item())
+    assert worst <= 1e-5
+
+
+def test_logprobs_under_temperature_are_of_the_scaled_distribution(server, hf_model):
+    (samples,), _ = run(_gen_many(server.url, [[4, 5]], {"temperature": 0.5, "top_k": 20, "max_new_tokens": 6}, 1))
+    s = samples[0]
+    ids = torch.tensor([[4, 5] + s.output_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(hf_model(ids).logits[0] / 0.5, -1)
+    ref = lp[1:-1].gather(-1, torch.tensor(s.output_ids)[:, None])[:, 0]
+    assert (ref - torch.tensor(s.output_logprobs)).abs().max() <= 1e-5
+
+
+def test_seed_reproducible_and_stop_token(server):
+    url = server.url
+    sp = {"temperature": 1.0, "max_new_tokens": 10, "sampling_seed": 123, "ignore_eos": True}
+    (a,), _ = run(_gen_many(url, [[7, 8, 9]], sp, 2))
+    (b,), _ = run(_gen_many(url, [[7, 8, 9]], sp, 2))
+    assert [x.output_ids for x in a] == [x.output_ids for x in b]
+    assert a[0].output_ids != a[1].output_ids  # sample i uses seed + i
+    stop = a[0].output_ids[4]
+    first = a[0].output_ids.index(stop)
+    (c,), _ = run(_gen_many(url, [[7, 8, 9]], dict(sp, stop_token_ids=[stop]), 1))
+    assert c[0].finish_reason == "stop" and c[0].meta_info["finish_reason"]["matched"] == stop
+    assert c[0].output_ids == a[0].output_ids[:first + 1]
+    assert a[0].finish_reason == "length" and len(a[0].output_ids) == 10
+
+
+def test_server_side_n_and_batch(server):
+    body = {"input_ids": [[5, 6], [7]], "sampling_params": {"max_new_tokens": 3, "n": 2}, "return_logprob": True}
+    status, text = _http.request(f"{server.url}/generate", body, api_key=KEY)
+    out = json.loads(text)
+    assert status == 200 and len(out) == 4
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [2, 2, 1, 1]
+    assert all(len(o["meta_info"]["output_token_logprobs"]) == o["meta_info"]["completion_tokens"] for o in out)
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"input_ids": [1, 2], "max_new_tokens": 3}, "unknown field"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_tokens": 3}}, "max_tokens"),
+    ({"text": "hello"}, "not supported"),
+    ({"input_ids": [1, 99999]}, "outside the vocabulary"),
+])
+def test_bad_requests_are_refused_with_400(server, body, needle):
+    status, text = _http.request(f"{server.url}/generate", body, api_key=KEY)
+    assert status == 400 and needle in text
+
+
+def test_api_key_required_and_never_echoed(server):
+    status, _ = _http.request(f"{server.url}/generate", {"input_ids": [1]})
+    assert status == 401
+    status, _ = _http.request(f"{server.url}/generate", {"input_ids": [1]}, api_key="wrong")
+    assert status == 401
+    assert _http.request(f"{server.url}/health")[0] == 200  # health stays open, as in SGLang
+    status, text = _http.request(f"{server.url}/get_server_info", api_key=KEY)
+    assert status == 200 and KEY not in text and json.loads(text)["host"] == "127.0.0.1"
+    assert KEY not in open(server.log_path).read()
+    status, text = _http.request(f"{server.url}/get_model_info", api_key=KEY)
+    assert json.loads(text)["is_generation"] is True
+
+
+def test_pause_in_place_holds_requests_and_abort_mode_aborts(server):
+    client = SyncRolloutClient([server.url], api_key=KEY)
+    try:
+        client.pause("in_place")
+        fut = client.submit([5, 6], {"max_new_tokens": 4}, n=1)
+        time.sleep(1.0)
+        assert not fut.done()  # queued while paused
+        client.continue_generation()
+        assert len(fut.result(60)[0].output_ids) >= 1
+        fut = client.submit([5, 6], {"max_new_tokens": 500, "ignore_eos": True}, n=1)
+        _wait_running(server.url)
+        client.pause("abort")
+        s = fut.result(60)[0]
+        assert s.finish_reason == "abort" and len(s.output_ids) < 500
+        assert client.stats.aborted == 1
+    finally:
+        client.continue_generation()
+        client.close()
+
+
+def _wait_running(url, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = json.loads(_http.request(f"{url}/get_server_info", api_key=KEY)[1])
+        if info["internal_states"][0]["running"] > 0:
+            return
+        time.sleep(0.05)
+    raise TimeoutError("no request started running")
+
+
+def _perturbed_state(model, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(n, p.detach() + scale * torch.randn(p.shape, generator=g)) for n, p in model.named_parameters()]
+
+
+def test_weight_sync_pause_then_in_flight(server, hf_model):
+    sync = DistributedWeightSync([server.url], api_key=KEY, backend="gloo", mode="pause", timeout_s=120)
+    sync.init_group()
+    try:
+        # 1) paused sync: the served log-probs equal the trainer's at the new weights, version is the new one
+        new = _perturbed_state(hf_model, 0.05, seed=1)
+        stats = sync.sync(hf_buckets(new, bucket_bytes=20_000), weight_version=1)
+        assert stats["num_buckets"] > 1 and stats["num_tensors"] == len(new) and stats["gb_per_s"] > 0
+        with torch.no_grad():
+            for n, t in new:
+                dict(hf_model.named_parameters())[n].copy_(t)
+        (samples,), _ = run(_gen_many(server.url, [[5, 6, 7]], {"max_new_tokens": 12}, 2))
+        for s in samples:
+            assert s.token_versions == [1] * len(s.output_ids) and s.weight_version == 1
+            assert (hf_logprobs(hf_model, [5, 6, 7], s.output_ids) - torch.tensor(s.output_logprobs)).abs().max() <= 1e-5
+
+        # 2) in-flight sync while a long sample decodes: spans say which tokens came from which version
+        v1_state = {n: p.detach().clone() for n, p in hf_model.named_parameters()}
+        sync.mode = "in_flight"
+        client = SyncRolloutClient([server.url], api_key=KEY)
+        try:
+            fut = client.submit([9, 8, 7], {"max_new_tokens": 600, "ignore_eos": True}, n=1)
+            _wait_running(server.url)
+            time.sleep(0.3)
+            sync.sync(hf_buckets(_perturbed_state(hf_model, 0.05, seed=2)), weight_version=2)
+            s = fut.result(180)[0]
+        finally:
+            client.close()
+        spans = s.meta_info["weight_versions"]
+        assert [sp["version"] for sp in spans] == ["1", "2"] and spans[0]["start"] == 0
+        assert spans[-1]["end"] == len(s.output_ids) and s.weight_version == 2
+        cut = spans[0]["end"]
+        assert 0 < cut < len(s.output_ids)
+        assert s.token_versions == [1] * cut + [2] * (len(s.output_ids) - cut)
+        # tokens of the first span were produced by the v1 weights exactly
+        with torch.no_grad():
+            for n, p in hf_model.named_parameters():
+                p.copy_(v1_state[n])
+        ref = hf_logprobs(hf_model, [9, 8, 7], s.output_ids[:cut])
+        assert (ref - torch.tensor(s.output_logprobs[:cut])).abs().max() <= 1e-5
+    finally:
+        sync.close()
