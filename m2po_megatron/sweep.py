@@ -129,7 +129,7 @@ def expand(sweep: dict) -> list[Run]:
     src = sweep.get("_path", "<sweep>")
     sp = Path(src)
     name = str(sweep.get("name") or sp.stem)
-    out_dir = str(sweep.get("output_dir") or f"runs/{name}")
+    out_dir = str(Path(str(sweep.get("output_dir") or f"runs/{name}")).absolute())  # jobs run in M2PO_HOME
     common = [str(o) for o in (sweep.get("overrides") or [])]
     grid = sweep.get("grid") or {}
     if not isinstance(grid, dict) or not grid:
@@ -282,6 +282,10 @@ def submit(sweep_path: str | Path, dry_run: bool = False, out=sys.stdout) -> dic
             cmd = _with_dependency(list(s.command), ",".join(deps) or None)
             sub = Submission(s.kind, s.runs, cmd, segment=seg)
             print(("DRY-RUN " if dry_run else "") + shlex.join(cmd), file=out)
+            if seg == 0:
+                for i, rn in enumerate(s.runs):
+                    label = f"task {i}" if s.kind == "array" else "run"
+                    print(f"    {label}: {rn}: {shlex.join(by_name[rn].argv)}", file=out)
             if not dry_run:
                 res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
                 if res.returncode != 0:
@@ -339,7 +343,7 @@ def _slurm_states(job_ids: list[str]) -> dict[str, str]:
         return states
     base = sorted({j.split("_")[0] for j in job_ids})
     try:
-        res = subprocess.run(["squeue", "-h", "-r", "-j", ",".join(base), "-o", "%i %T"],
+        res = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-j", ",".join(base), "-o", "%i %T"],
                              capture_output=True, text=True, timeout=60)
         for line in res.stdout.splitlines():
             parts = line.split()

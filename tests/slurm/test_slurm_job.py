@@ -1,0 +1,164 @@
+"""slurm/m2po.sbatch and `m2po sweep` on a real 2-node Slurm (started by conftest.py).
+
+Each job starts a real Ray cluster across the fake nodes n1 and n2; on 2 shared cores one job takes
+about a minute, so every wait has a generous timeout and every test cancels what it started."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slurm]
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = "tests/slurm/recipes/two-node.yaml"
+PLACEMENT = "exec $M2PO_PYTHON $M2PO_HOME/slurm/ray_check.py placement $RAY_ADDRESS"
+JOB_TIMEOUT = 240
+
+
+def _read(p: Path) -> str:
+    return p.read_text() if p.exists() else ""
+
+
+def _states(run_dir: Path) -> list[str]:
+    return [ln.split()[0] for ln in _read(run_dir / "logs" / "job-state").splitlines() if ln.strip()]
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 120)
+def test_disaggregated_job_places_trainer_and_rollout_on_separate_nodes(slurm, tmp_path):
+    run_dir = tmp_path / "two-node"
+    job = slurm.sbatch("-N2", f"--output={tmp_path}/slurm-%j.out", str(REPO / "slurm/m2po.sbatch"), RECIPE,
+                       f"run.output_dir={tmp_path}", env={"M2PO_DRIVER_CMD": PLACEMENT})
+    slurm.wait_gone(job, JOB_TIMEOUT)
+    driver = _read(run_dir / "logs" / "driver.log")
+    joblog = _read(run_dir / "logs" / "job.log")
+    assert "role=trainer node=n1" in driver, joblog + driver
+    assert "role=rollout node=n2" in driver, joblog + driver
+    assert "role=trainer node=n2" not in driver and "role=rollout node=n1" not in driver
+    assert "disaggregated on 2 nodes: trainer=[n1] rollout=[n2]" in joblog
+    assert _states(run_dir) == ["START", "EXIT"]
+    assert _read(run_dir / "logs" / "job-state").strip().endswith("rc=0")
+    assert (run_dir / "logs" / "ray-head-n1.log").exists() and (run_dir / "logs" / "ray-worker-n2.log").exists()
+    slurm.wait_for(slurm.nodes_idle, 60, "nodes released")
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 120)
+def test_a_dead_ray_node_ends_the_job_nonzero_and_frees_the_nodes(slurm, tmp_path):
+    run_dir = tmp_path / "two-node"
+    hold = "echo driver-up; exec sleep 600"
+    job = slurm.sbatch("-N2", f"--output={tmp_path}/slurm-%j.out", str(REPO / "slurm/m2po.sbatch"), RECIPE,
+                       f"run.output_dir={tmp_path}", env={"M2PO_DRIVER_CMD": hold})
+    slurm.wait_for(lambda: "driver-up" in _read(run_dir / "logs" / "driver.log"), JOB_TIMEOUT,
+                   "the driver to start", job)
+    # the raylet of this job's worker node n2: its command line names the job's node-local temp dir
+    marker = f"m2po-ray-{job}/n2"
+    victims = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "raylet" in cmd.split(" ")[0] and marker in cmd:
+            victims.append(int(pid))
+    assert victims, f"no raylet of job {job} on n2 found"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    slurm.wait_gone(job, 120)
+    joblog = _read(run_dir / "logs" / "job.log")
+    assert "ray workers (n2) exited" in joblog, joblog
+    last = _read(run_dir / "logs" / "job-state").strip().splitlines()[-1]
+    assert last.startswith("EXIT") and not last.endswith("rc=0"), last
+    slurm.wait_for(slurm.nodes_idle, 60, "nodes released after the failure")
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 120)
+def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path):
+    run_dir = tmp_path / "two-node"
+    driver = (
+        'if [ -f "$M2PO_RUN_DIR/ckpt" ]; then echo "resumed from $(cat $M2PO_RUN_DIR/ckpt)"; exit 0; fi; '
+        'trap \'echo step-7 > "$M2PO_RUN_DIR/ckpt"; echo checkpointed; exit 0\' USR1; '
+        'echo waiting; while :; do sleep 1; done'
+    )
+    job = slurm.sbatch("-N2", f"--output={tmp_path}/slurm-%j.out", str(REPO / "slurm/m2po.sbatch"), RECIPE,
+                       f"run.output_dir={tmp_path}", env={"M2PO_DRIVER_CMD": driver})
+    log = run_dir / "logs" / "driver.log"
+    slurm.wait_for(lambda: "waiting" in _read(log), JOB_TIMEOUT, "the driver to start", job)
+    slurm.run("scancel", "-b", "-s", "USR1", job)  # what --signal=B:USR1@N does near the time limit
+    slurm.wait_for(lambda: "resumed from step-7" in _read(log), JOB_TIMEOUT, "the requeued job to resume", job)
+    slurm.wait_gone(job, 120)
+    assert "checkpointed" in _read(log)
+    assert _states(run_dir) == ["START", "REQUEUED", "START", "EXIT"], _read(run_dir / "logs" / "job-state")
+    assert "restart=1" in _read(run_dir / "logs" / "job-state")
+    assert _read(run_dir / "logs" / "job-state").strip().endswith("rc=0")
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 120)
+def test_sweep_array_completes_and_status_reports_it(slurm, tmp_path):
+    sweep = tmp_path / "tiny.yaml"
+    sweep.write_text(f"""
+name: tiny
+output_dir: {tmp_path}/sweep
+overrides: [cluster.rollout_nodes=0]
+grid:
+  model:
+    m: {{recipe: {REPO / RECIPE}}}
+  method:
+    grpo: [algo.name=grpo]
+    m2po: [algo.name=m2po, algo.m2po.tau=0.02]
+slurm:
+  max_concurrent: 2
+""")
+    write_metrics = ('python3 -c "import json,os; print(json.dumps({\'step\': 2, \'run\': os.path.basename(os.environ[\'M2PO_RUN_DIR\'])}))"'
+                     ' >> $M2PO_RUN_DIR/metrics.jsonl; ' + PLACEMENT)
+    env = {**slurm.env, "M2PO_DRIVER_CMD": write_metrics}
+    cli = [sys.executable, "-m", "m2po_megatron.cli", "sweep"]
+    res = subprocess.run([*cli, str(sweep)], env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "--array=0-1%2" in res.stdout
+    manifest = json.loads((tmp_path / "sweep" / "sweep-manifest.json").read_text())
+    array_id = manifest["submissions"][0]["job_id"]
+    assert [r["jobs"] for r in manifest["runs"]] == [[f"{array_id}_0"], [f"{array_id}_1"]]
+    slurm.wait_gone(array_id, 2 * JOB_TIMEOUT)
+    res = subprocess.run([*cli, "status", str(sweep), "--json"], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    rows = {r["run"]: r for r in json.loads(res.stdout)}
+    assert set(rows) == {"tiny-m-grpo", "tiny-m-m2po"}
+    for name, row in rows.items():
+        assert row["state"] == "COMPLETED", row
+        assert row["metrics"] == {"step": 2, "run": name}
+        driver = _read(Path(row["run_dir"]) / "logs" / "driver.log")
+        assert re.search(r"role=trainer node=(n\d)", driver).group(1) == \
+            re.search(r"role=rollout node=(n\d)", driver).group(1)  # colocated: one node, both roles
+    config_dirs = {json.dumps(r["overrides"]) for r in manifest["runs"]}
+    assert len(config_dirs) == 2
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 300)
+def test_tiny_cpu_recipe_trains_end_to_end_across_two_nodes(slurm, tmp_path):
+    """The real `m2po train recipes/tiny-cpu.yaml train.steps=2` through the job script: trainer on n1,
+    rollout server on n2 (from the `[placement] role=... node=...` lines the training loop logs)."""
+    from m2po_megatron.cli import build_parser
+
+    if "train" not in build_parser()._subparsers._group_actions[0].choices:  # noqa: SLF001
+        pytest.skip("`m2po train` is not available yet")
+    if not (REPO / "recipes" / "tiny-cpu.yaml").exists():
+        pytest.skip("recipes/tiny-cpu.yaml is not available yet")
+    run_dir = tmp_path / "tiny-e2e"
+    job = slurm.sbatch("-N2", f"--output={tmp_path}/slurm-%j.out", str(REPO / "slurm/m2po.sbatch"),
+                       "recipes/tiny-cpu.yaml", "train.steps=2", "cluster.trainer_nodes=1",
+                       "cluster.rollout_nodes=1", f"run.output_dir={tmp_path}", "run.name=tiny-e2e",
+                       env={"M2PO_DRIVER_CMD": ""})
+    slurm.wait_gone(job, JOB_TIMEOUT + 240)
+    logs = "".join(_read(p) for p in sorted((run_dir / "logs").glob("*.log")))
+    assert _read(run_dir / "logs" / "job-state").strip().endswith("rc=0"), logs[-3000:]
+    assert re.search(r"role=trainer\b.*node=n1\b", logs), logs[-3000:]
+    assert re.search(r"role=rollout\b.*node=n2\b", logs), logs[-3000:]
+    assert (run_dir / "metrics.jsonl").exists()
+    slurm.wait_for(slurm.nodes_idle, 60, "nodes released")

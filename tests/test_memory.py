@@ -1,0 +1,110 @@
+"""m2po_megatron.memory: parameter counts of the six paper models and the per-GPU memory estimate."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from m2po_megatron.memory import estimate_gpu_memory, load_hf_config, model_shape, param_count
+
+CONFIGS = Path(__file__).resolve().parents[1] / "m2po_megatron" / "assets" / "configs"
+# published sizes (billions), two decimals
+PUBLISHED = {
+    "meta-llama__Llama-3.2-3B-Instruct": 3.21,
+    "Qwen__Qwen2.5-Math-7B": 7.62,
+    "Qwen__Qwen3-1.7B-Base": 1.72,
+    "Qwen__Qwen3-4B-Base": 4.02,
+    "Qwen__Qwen3-8B-Base": 8.19,
+    "Qwen__Qwen2.5-32B": 32.76,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_param_count_matches_the_published_size(name):
+    assert round(param_count(load_hf_config(CONFIGS / name)) / 1e9, 2) == PUBLISHED[name]
+
+
+def test_bundled_configs_equal_the_shared_copies(shared_dir):
+    for name in PUBLISHED:
+        assert load_hf_config(CONFIGS / name) == load_hf_config(shared_dir / "data" / "configs" / name)
+
+
+def test_shape_reads_qwen2_bias_and_qwen3_qk_norm():
+    q2 = model_shape(load_hf_config(CONFIGS / "Qwen__Qwen2.5-32B"))
+    q3 = model_shape(load_hf_config(CONFIGS / "Qwen__Qwen3-8B-Base"))
+    llama = model_shape(load_hf_config(CONFIGS / "meta-llama__Llama-3.2-3B-Instruct"))
+    assert (q2.qkv_bias, q2.qk_norm, q2.head_dim) == (True, False, 128)
+    assert (q3.qkv_bias, q3.qk_norm, q3.head_dim) == (False, True, 128)
+    assert (llama.qkv_bias, llama.tied, llama.kv_heads) == (False, True, 8)
+
+
+def _est(name, **kw):
+    return estimate_gpu_memory(load_hf_config(CONFIGS / name), **kw)
+
+
+def test_no_parallelism_is_the_textbook_18_bytes_per_param():
+    cfg = load_hf_config(CONFIGS / "Qwen__Qwen3-1.7B-Base")
+    e = estimate_gpu_memory(cfg, micro_batch_tokens=1, use_distributed_optimizer=False)
+    n = param_count(cfg)
+    assert (e["weights"] + e["grads"] + e["optimizer"]) * 1024**3 == pytest.approx(18 * n, rel=1e-9)
+
+
+def test_parallelism_divides_the_right_components():
+    base = _est("Qwen__Qwen3-8B-Base", micro_batch_tokens=8192)
+    tp2 = _est("Qwen__Qwen3-8B-Base", tensor_model_parallel_size=2, micro_batch_tokens=8192)
+    dp8 = _est("Qwen__Qwen3-8B-Base", data_parallel_size=8, micro_batch_tokens=8192)
+    sp = _est("Qwen__Qwen3-8B-Base", tensor_model_parallel_size=2, sequence_parallel=True, micro_batch_tokens=8192)
+    # TP splits weights (norms stay replicated: slightly more than half) and the logits exactly
+    assert 0.5 < tp2["weights"] / base["weights"] < 0.51
+    assert tp2["logits"] == pytest.approx(base["logits"] / 2)
+    # the distributed optimizer shards only the optimizer state
+    assert dp8["optimizer"] == pytest.approx(base["optimizer"] / 8)
+    assert dp8["weights"] == base["weights"] and dp8["grads"] == base["grads"]
+    # sequence parallel shards the rest of the activations
+    assert sp["activations"] < tp2["activations"] < base["activations"]
+    assert base["total"] == pytest.approx(sum(base[k] for k in
+                                              ("weights", "grads", "optimizer", "activations", "logits", "overhead")))
+
+
+def test_activations_scale_with_tokens_and_shrink_with_recompute_and_fp8():
+    a = _est("Qwen__Qwen2.5-Math-7B", micro_batch_tokens=4096)
+    b = _est("Qwen__Qwen2.5-Math-7B", micro_batch_tokens=8192)
+    assert b["activations"] == pytest.approx(2 * a["activations"])
+    full = _est("Qwen__Qwen2.5-Math-7B", micro_batch_tokens=8192, recompute="full")
+    assert full["activations"] < b["activations"] / 5
+    fp8 = _est("Qwen__Qwen2.5-Math-7B", micro_batch_tokens=8192, fp8=True)
+    assert fp8["activations"] < b["activations"] and fp8["weights"] > b["weights"]
+
+
+def test_pipeline_keeps_pp_microbatches_on_the_first_stage():
+    one = _est("Qwen__Qwen2.5-32B", tensor_model_parallel_size=8, pipeline_model_parallel_size=1,
+               micro_batch_tokens=4096)
+    four = _est("Qwen__Qwen2.5-32B", tensor_model_parallel_size=8, pipeline_model_parallel_size=4,
+                micro_batch_tokens=4096)
+    assert four["activations"] == pytest.approx(one["activations"])  # L/pp layers x pp micro-batches
+    assert four["weights"] < one["weights"] / 3
+
+
+def test_32b_without_model_parallelism_does_not_fit_80gb_but_tp8_does():
+    assert _est("Qwen__Qwen2.5-32B", micro_batch_tokens=4096)["total"] > 80
+    fit = _est("Qwen__Qwen2.5-32B", tensor_model_parallel_size=8, pipeline_model_parallel_size=2,
+               data_parallel_size=2, micro_batch_tokens=8192, sequence_parallel=True, fp8=True)
+    assert fit["total"] < 80
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"tensor_model_parallel_size": 3}, "tensor_model_parallel_size"),
+    ({"pipeline_model_parallel_size": 5}, "pipeline_model_parallel_size"),
+    ({"sequence_parallel": True}, "sequence_parallel"),
+    ({"recompute": "some"}, "recompute"),
+    ({"params_dtype": "int8"}, "params_dtype"),
+    ({"data_parallel_size": 0}, "data_parallel_size"),
+])
+def test_bad_layouts_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        _est("Qwen__Qwen3-8B-Base", **kw)
+
+
+def test_missing_config_fields_are_named():
+    with pytest.raises(ValueError, match="hidden_size"):
+        estimate_gpu_memory({"num_hidden_layers": 2})
