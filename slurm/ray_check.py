@@ -23,8 +23,16 @@ def _init(address: str):
 
 
 def wait(address: str, nodes: int, timeout_s: float) -> int:
-    ray = _init(address)
     deadline = time.monotonic() + timeout_s
+    while True:  # the head may be restarting (ray_node.sh retries a failed start)
+        try:
+            ray = _init(address)
+            break
+        except (ConnectionError, RuntimeError) as e:
+            if time.monotonic() > deadline:
+                print(f"[ray_check] cannot connect to {address}: {e}", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(2)
     alive = 0
     while time.monotonic() < deadline:
         alive = sum(1 for n in ray.nodes() if n["Alive"])

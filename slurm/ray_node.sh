@@ -49,8 +49,19 @@ echo "[ray_node] $role node=$node rank=$rank ip=$ip cpus=$cpus gpus=$gpus resour
 export RAY_TMPDIR=$tmp
 RAY=${M2PO_RAY:-ray}
 if [ "$role" = head ]; then
-  exec $RAY start --head --port="$M2PO_RAY_PORT" --ray-client-server-port=$((M2PO_PORT_BASE + 1)) \
-    --include-dashboard=false "${common[@]}"
+  cmd=($RAY start --head --port="$M2PO_RAY_PORT" --ray-client-server-port=$((M2PO_PORT_BASE + 1)) --include-dashboard=false)
 else
-  exec $RAY start --address="$M2PO_RAY_HEAD_IP:$M2PO_RAY_PORT" "${common[@]}"
+  cmd=($RAY start --address="$M2PO_RAY_HEAD_IP:$M2PO_RAY_PORT")
 fi
+# A start that fails before the whole cluster is up (e.g. Ray's agents too slow on an overloaded node)
+# is retried; once m2po.sbatch has marked the cluster up, any exit is final and ends the job.
+up=${M2PO_RAY_UP_MARKER:-/nonexistent}
+attempts=${M2PO_RAY_START_ATTEMPTS:-3}
+rc=0
+for attempt in $(seq 1 "$attempts"); do
+  "${cmd[@]}" "${common[@]}" && rc=0 || rc=$?
+  [ -e "$up" ] && exit "$rc"
+  echo "[ray_node] ray start ended with $rc before the cluster was up (attempt $attempt/$attempts)"
+  sleep 2
+done
+exit "$rc"
