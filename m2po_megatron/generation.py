@@ -11,8 +11,8 @@ pending and the identity generated = consumed + dropped + pending always holds.
 """
 from __future__ import annotations
 
-import asyncio
 import json
+import queue
 import random
 import threading
 import time
@@ -83,7 +83,7 @@ class Tokenize:
                                                add_generation_prompt=True)
             ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         else:
-            ids = self.tok(prompt, add_special_tokens=True)["input_ids"]
+            ids = self.tok(prompt, add_special_tokens=False)["input_ids"]  # the prepared prompt is final text
         if len(ids) > self.max_len:
             raise ValueError(f"a prompt has {len(ids)} tokens > data.max_prompt_len = {self.max_len}; "
                              f"filter the data or raise data.max_prompt_len: {prompt[:80]!r}")
@@ -91,32 +91,36 @@ class Tokenize:
 
 
 class GroupMaker:
-    """Runs one prompt group through the client and scores it. Shared by both generators."""
+    """Sends one prompt group to the rollout client and scores it. Shared by both generators. The client
+    is a SyncRolloutClient (its own event loop thread); `submit` returns a concurrent Future."""
 
-    def __init__(self, client, rewards, tokenizer, tokenize: Tokenize, sampling: dict, n: int,
-                 seed: int, reward_lock: Optional[threading.Lock] = None):
+    def __init__(self, client, rewards, tokenizer, tokenize: Tokenize, sampling: dict, n: int, seed: int):
         self.client, self.rewards, self.tok, self.tokenize = client, rewards, tokenizer, tokenize
         self.sampling, self.n, self.seed = sampling, n, seed
-        self.reward_lock = reward_lock or threading.Lock()
+        self.reward_lock = threading.Lock()  # the reward pool serves one caller at a time
         self.reward_stats: dict = {}
+        self.gen_tokens, self.gen_seconds = 0, 0.0
 
     def new_group(self, gid: str, row: dict) -> Group:
         return Group(group_id=gid, prompt_id=str(row["id"]), prompt_ids=self.tokenize(row["prompt"]),
                      answer=str(row["answer"]))
 
-    async def generate(self, group: Group) -> Group:
+    def submit(self, group: Group):
         # A per-group seed makes sampling reproducible (fixed_lag resume equality) and independent of
-        # which other requests the server batches with.
+        # which other requests a server happens to batch with.
         seed = zlib.crc32(f"{self.seed}/{group.group_id}".encode()) & 0x7FFFFFFF
-        outs = await self.client.generate(group.prompt_ids, dict(self.sampling, sampling_seed=seed), n=self.n)
-        ids = sample_ids_for(group.group_id, self.n)
+        group.t_submit = time.perf_counter()
+        return self.client.submit(group.prompt_ids, dict(self.sampling, sampling_seed=seed), n=self.n)
+
+    def fill(self, group: Group, results) -> Group:
         group.samples = [
             Sample(sample_id=sid, group_id=group.group_id, prompt_ids=group.prompt_ids,
                    output_ids=list(o.output_ids), logprobs=list(o.output_logprobs),
                    versions=[int(v) for v in o.token_versions], finish_reason=o.finish_reason,
                    answer=group.answer)
-            for sid, o in zip(ids, outs)
+            for sid, o in zip(sample_ids_for(group.group_id, self.n), results)
         ]
+        self.gen_tokens += sum(len(s.output_ids) for s in group.samples)
         return group
 
     def score(self, groups: list[Group]) -> None:
@@ -125,10 +129,10 @@ class GroupMaker:
             s.text = self.tok.decode(s.output_ids, skip_special_tokens=True)
         with self.reward_lock:
             scores, stats = self.rewards.score([s.text for s in samples], [s.answer for s in samples])
+            for k, v in stats.as_dict().items():
+                self.reward_stats[k] = self.reward_stats.get(k, 0) + v
         for s, r in zip(samples, scores):
             s.reward = float(r)
-        for k, v in stats.as_dict().items():
-            self.reward_stats[k] = self.reward_stats.get(k, 0) + v
 
 
 class SyncGenerator:
@@ -136,24 +140,27 @@ class SyncGenerator:
     For fixed_lag the groups pass through the FixedLagQueue; warm-up iterations only generate."""
 
     def __init__(self, maker: GroupMaker, prompts: PromptStream, ledger, groups_per_step: int,
-                 lag_queue=None, recompute_logprobs: Optional[Callable[[list[Group]], None]] = None):
+                 lag_queue=None, recompute_logprobs: Optional[Callable[[list[Group]], None]] = None,
+                 timeout_s: float = 3600.0):
         self.maker, self.prompts, self.ledger = maker, prompts, ledger
         self.groups_per_step, self.queue, self.recompute = groups_per_step, lag_queue, recompute_logprobs
+        self.timeout_s = timeout_s
         self.next_gid = 0
         self.warmup_iterations = 0
+        self.gen_seconds = 0.0
 
-    def _generate_batch(self, version: int) -> list[Group]:
+    def _generate_batch(self) -> list[Group]:
         groups = []
         for _ in range(self.groups_per_step):
             gid = f"g{self.next_gid}"
             self.next_gid += 1
             groups.append(self.maker.new_group(gid, self.prompts.next()))
             self.ledger.add(sample_ids_for(gid, self.maker.n))
-
-        async def run():
-            return await asyncio.gather(*(self.maker.generate(g) for g in groups))
-
-        asyncio.run(run())
+        t0 = time.perf_counter()
+        futures = [self.maker.submit(g) for g in groups]
+        for g, f in zip(groups, futures):
+            self.maker.fill(g, f.result(timeout=self.timeout_s))
+        self.gen_seconds += time.perf_counter() - t0
         self.maker.score(groups)
         if self.recompute is not None:  # the released code: behaviour log-probs from the trainer
             self.recompute(groups)
@@ -161,7 +168,7 @@ class SyncGenerator:
 
     def next_groups(self, version: int) -> list[Group]:
         while True:
-            groups = self._generate_batch(version)
+            groups = self._generate_batch()
             if self.queue is None:
                 return groups
             out = self.queue.step(groups, version)
@@ -172,7 +179,7 @@ class SyncGenerator:
     def pending(self) -> int:
         if self.queue is None:
             return 0
-        return sum(len(g.samples) for b in self.queue._queue for g in b.payload)
+        return sum(len(g.samples) for b in self.queue.state_dict()["queue"] for g in b["payload"])
 
     def state_dict(self) -> dict:
         s = {"next_gid": self.next_gid, "warmup_iterations": self.warmup_iterations}
@@ -194,21 +201,20 @@ class AsyncGenerator:
     (StalenessController) decides how many groups may be in flight; finished, scored groups wait in a
     buffer until `next_groups` takes a batch, earliest deadline first."""
 
-    def __init__(self, maker: GroupMaker, prompts: PromptStream, ledger, controller, groups_per_step: int,
-                 drop_too_stale: bool = True):
+    def __init__(self, maker: GroupMaker, prompts: PromptStream, ledger, controller, groups_per_step: int):
         self.maker, self.prompts, self.ledger, self.ctl = maker, prompts, ledger, controller
-        self.groups_per_step, self.drop_too_stale = groups_per_step, drop_too_stale
+        self.groups_per_step = groups_per_step
         self.lock = threading.Condition()
         self.finished: dict[str, Group] = {}
         self.inflight: dict[str, Group] = {}
         self.discard: set[str] = set()
-        self.regenerate: list[dict] = []  # rows of groups in flight at a checkpoint, regenerated first
+        self.regenerate: list[dict] = []  # prompts in flight at a checkpoint, regenerated first on resume
         self.next_gid = 0
         self.error: Optional[BaseException] = None
+        self.paused = threading.Event()  # set while weights are pushed: admit nothing new
+        self._done: "queue.Queue" = queue.Queue()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self.paused = threading.Event()
 
     # -- background side ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -216,55 +222,42 @@ class AsyncGenerator:
         self._thread.start()
 
     def _run(self) -> None:
-        self._loop = asyncio.new_event_loop()
         try:
-            self._loop.run_until_complete(self._main())
+            while not self._stop.is_set():
+                if not self.paused.is_set():
+                    for group in self._admit():
+                        fut = self.maker.submit(group)
+                        fut.add_done_callback(lambda f, g=group: self._done.put((g, f)))
+                try:
+                    group, fut = self._done.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                self._finish(group, fut.result())  # a failed request (retries exhausted) ends the run
         except BaseException as e:  # surfaced to the trainer thread by next_groups
             with self.lock:
                 self.error = e
                 self.lock.notify_all()
-        finally:
-            self._loop.close()
 
-    async def _main(self) -> None:
-        tasks: set[asyncio.Task] = set()
-        while not self._stop.is_set():
-            if not self.paused.is_set():
-                for row, gid in self._admit():
-                    t = asyncio.create_task(self._one(gid, row))
-                    tasks.add(t)
-                    t.add_done_callback(tasks.discard)
-            await asyncio.sleep(0.02)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    def _admit(self) -> list[tuple[dict, str]]:
+    def _admit(self) -> list[Group]:
         with self.lock:
-            cap = self.ctl.capacity()
-            if cap <= 0:
-                return []
             out = []
-            for _ in range(cap):
-                gid = f"g{self.next_gid}"
+            while self.ctl.capacity() > 0:
                 row = self.regenerate.pop(0) if self.regenerate else self.prompts.next()
-                if self.ctl.try_admit([gid]) != 1:
-                    if row is not None:
-                        self.regenerate.insert(0, row)
-                    break
+                gid = f"g{self.next_gid}"
                 self.next_gid += 1
+                self.ctl.try_admit([gid])
                 group = self.maker.new_group(gid, row)
-                group.row = row  # kept to regenerate after a restart
+                group.row = row  # kept to regenerate it after a restart
                 self.inflight[gid] = group
                 self.ledger.add(sample_ids_for(gid, self.maker.n))
-                out.append((row, gid))
+                out.append(group)
             return out
 
-    async def _one(self, gid: str, row: dict) -> None:
-        group = self.inflight[gid]
-        await self.maker.generate(group)
-        await asyncio.get_running_loop().run_in_executor(None, self.maker.score, [group])
+    def _finish(self, group: Group, results) -> None:
+        self.maker.fill(group, results)
+        self.maker.score([group])
         with self.lock:
+            gid = group.group_id
             self.inflight.pop(gid, None)
             if gid in self.discard:
                 self.discard.discard(gid)
@@ -282,7 +275,7 @@ class AsyncGenerator:
             while True:
                 if self.error is not None:
                     raise RuntimeError(f"generation failed: {self.error!r}") from self.error
-                for gid in self.ctl.overdue():  # only reachable when a server stalled past the bound
+                for gid in self.ctl.overdue():  # only when a server stalled past the bound
                     self.ctl.on_dropped(gid)
                     if gid in self.finished:
                         self.ledger.drop(self.finished.pop(gid).sample_ids, "too_stale")
@@ -300,14 +293,29 @@ class AsyncGenerator:
 
     def pending(self) -> int:
         with self.lock:
-            return sum(self.maker.n for _ in self.inflight) + sum(len(g.samples) for g in self.finished.values())
+            return self.maker.n * len(self.inflight) + sum(len(g.samples) for g in self.finished.values())
 
     def state_dict(self) -> dict:
         with self.lock:
             return {"next_gid": self.next_gid, "controller": self.ctl.state_dict(),
                     "finished": [group_to_dict(g) for g in self.finished.values()],
-                    "regenerate": [getattr(g, "row", None) for g in self.inflight.values()] + self.regenerate,
-                    "inflight_ids": [s for g in self.inflight.values() for s in sample_ids_for(g.group_id, self.maker.n)]}
+                    "regenerate": [g.row for g in self.inflight.values()] + self.regenerate,
+                    "inflight_ids": [s for g in self.inflight.values()
+                                     for s in sample_ids_for(g.group_id, self.maker.n)]}
+
+    def load_state_dict(self, s: dict) -> None:
+        """Buffered groups come back as they were; groups that were in flight are dropped as
+        `interrupted` (counted) and their prompts regenerated first, under new ids."""
+        self.ctl.load_state_dict(s["controller"])
+        self.next_gid = s["next_gid"]
+        for d in s["finished"]:
+            g = group_from_dict(d)
+            self.finished[g.group_id] = g
+        if s["inflight_ids"]:
+            self.ledger.drop(s["inflight_ids"], "interrupted")
+        for gid in self.ctl.running():
+            self.ctl.on_dropped(gid)
+        self.regenerate = list(s["regenerate"])
 
     def close(self) -> None:
         self._stop.set()

@@ -36,7 +36,7 @@ def train(cfg: DictConfig) -> Path:
     init_ray(cfg.cluster.ray_address, tmpdir=cfg.cluster.ray_tmpdir,
              object_store_memory_mb=cfg.cluster.object_store_memory_mb, trainer_slots=world,
              rollout_slots=cfg.rollout.num_servers)
-    engines = trainers = generator = rewards = None
+    engines = trainers = generator = rewards = client = None
     try:
         tokenizer = load_tokenizer(cfg)
         prompts, eval_rows = load_data(cfg)
@@ -91,7 +91,7 @@ def train(cfg: DictConfig) -> Path:
                        "time/wait_rollout": t_wait, "time/train": t_train, "time/weight_sync": t_sync,
                        "time/step": time.perf_counter() - t0,
                        "tokens_per_s/train": sb.metrics.get("batch/tokens", 0) / max(t_train, 1e-9),
-                       "tokens_per_s/gen": generated_tokens_per_s(groups)}
+                       "tokens_per_s/gen": gen_throughput(generator, t0)}
             if cfg.eval.interval and step % cfg.eval.interval == 0 and eval_rows:
                 metrics.update(evaluate(cfg, client, tokenizer, eval_rows, rdir, step))
             logger.log(metrics, step=step)
@@ -108,7 +108,7 @@ def train(cfg: DictConfig) -> Path:
             logger.log(evaluate(cfg, client, tokenizer, eval_rows, rdir, step), step=step)
         progress.close()
     finally:
-        for closer in (generator, rewards):
+        for closer in (generator, rewards, client):
             if closer is not None:
                 closer.close()
         if trainers is not None:
@@ -155,27 +155,41 @@ def load_data(cfg: DictConfig):
 
 
 def start_rollout_engines(cfg: DictConfig, rdir: Path):
-    """Launch the servers (SGLang on GPU nodes, our CPU server otherwise) or attach to rollout.urls."""
-    from m2po_megatron.rollout.launcher import EngineManager
+    """Launch the servers as Ray actors on the `rollout` nodes (SGLang on GPUs, our CPU server otherwise),
+    or attach to rollout.urls. Returns (manager or None, urls)."""
+    import ray
+
+    from m2po_megatron.cluster import ROLLOUT_RESOURCE
+    from m2po_megatron.rollout.launcher import EngineManager, ServerSpec
 
     r = cfg.rollout
-    mgr = EngineManager(
-        engine=r.engine, model_path=cfg.model.hf_path, num_servers=r.num_servers, host=r.host,
-        port=r.port, api_key=secret(r.api_key, "M2PO_API_KEY"), tp_size=r.tp_size, dp_size=r.dp_size,
-        mem_fraction_static=r.mem_fraction_static, context_length=r.context_length, dtype=r.dtype,
-        quantization=r.quantization, seed=cfg.run.seed, log_dir=str(rdir / "servers"),
-        max_restarts=r.max_restarts, health_timeout_s=r.health_timeout_s, urls=list(r.urls),
-        gpus_per_server=r.tp_size * r.dp_size if cfg.cluster.gpus_per_node else 0)
-    urls = mgr.start()
-    return mgr, urls
+    api_key = secret(r.api_key, "M2PO_API_KEY")
+    if r.urls:
+        return None, EngineManager.attach(list(r.urls), api_key=api_key, timeout_s=r.health_timeout_s)
+    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get(ROLLOUT_RESOURCE)]
+    if not nodes:
+        raise RuntimeError(f"no Ray node offers the '{ROLLOUT_RESOURCE}' resource for rollout servers; start "
+                           f"rollout nodes with --resources='{{\"{ROLLOUT_RESOURCE}\": N}}' (slurm/ does)")
+    specs = [ServerSpec(model_path=str(Path(cfg.model.hf_path).resolve()), engine=r.engine, host=r.host or "auto",
+                        port=r.port + i if r.host else 0, tp_size=r.tp_size, dp_size=r.dp_size,
+                        mem_fraction_static=r.mem_fraction_static, context_length=r.context_length,
+                        dtype=r.dtype, quantization=r.quantization, api_key=api_key,
+                        random_seed=cfg.run.seed + i, weight_version="0")
+             for i in range(r.num_servers)]
+    mgr = EngineManager(specs, run_dir=str(rdir), use_ray=True, max_restarts=r.max_restarts,
+                        health_timeout_s=r.health_timeout_s,
+                        node_ids=[nodes[i % len(nodes)] for i in range(r.num_servers)],
+                        num_cpus_per_server=0, env={"OMP_NUM_THREADS": "1"})
+    return mgr, mgr.start()
 
 
 def make_client(cfg: DictConfig, urls: list[str]):
-    from m2po_megatron.rollout.client import RolloutClient
+    from m2po_megatron.rollout.client import SyncRolloutClient
 
     r = cfg.rollout
-    return RolloutClient(urls, api_key=secret(r.api_key, "M2PO_API_KEY"), max_concurrency=r.max_concurrency,
-                         timeout_s=r.request_timeout_s, max_retries=r.max_retries)
+    return SyncRolloutClient(urls, api_key=secret(r.api_key, "M2PO_API_KEY"),
+                             max_concurrency_per_server=r.max_concurrency, request_timeout_s=r.request_timeout_s,
+                             max_retries=r.max_retries)
 
 
 def actor_kwargs(cfg: DictConfig) -> dict:
@@ -220,11 +234,10 @@ def start_trainers(cfg: DictConfig, world: int, rdir: Path):
 
 
 def init_weight_sync(cfg: DictConfig, trainers, urls: list[str]) -> None:
-    from m2po_megatron.cluster import free_port
-
     r = cfg.rollout
-    trainers.call("init_weight_sync", urls, secret(r.api_key, "M2PO_API_KEY"), r.bucket_mb, free_port(),
-                  r.update_mode, timeout=600)
+    ranks = r.tp_size if r.engine == "sglang" else 1  # engine ranks per server join the group
+    trainers.call("init_weight_sync", urls, secret(r.api_key, "M2PO_API_KEY"), r.bucket_mb, 0, r.update_mode,
+                  ranks, timeout=600)
 
 
 def make_reward_pool(cfg: DictConfig):
@@ -247,7 +260,7 @@ def make_generator(cfg, client, rewards, tokenizer, prompts, ledger, trainers):
     if s.mode == "bounded":
         ctl = StalenessController(s.max_staleness, groups_per_step=t.prompts_per_step,
                                   updates_per_step=t.updates_per_step, sync_interval=s.sync_interval)
-        return AsyncGenerator(maker, prompts, ledger, ctl, t.prompts_per_step, s.drop_too_stale)
+        return AsyncGenerator(maker, prompts, ledger, ctl, t.prompts_per_step)
     queue = FixedLagQueue(s.lag_steps, t.updates_per_step) if s.mode == "fixed_lag" else None
     recompute = None
     if s.behav_logprob_source == "trainer":
@@ -325,8 +338,12 @@ def rewards_stats(generator) -> dict:
     return dict(generator.maker.reward_stats)
 
 
-def generated_tokens_per_s(groups) -> float:
-    return 0.0 if not groups else float(sum(len(s.output_ids) for g in groups for s in g.samples))
+def gen_throughput(generator, t_step_start: float) -> float:
+    """Generated tokens per second of wall time since the previous call (all servers together)."""
+    now, tokens = time.perf_counter(), generator.maker.gen_tokens
+    last_t, last_tokens = getattr(generator, "_tp_mark", (t_step_start, 0))
+    generator._tp_mark = (now, tokens)
+    return (tokens - last_tokens) / max(now - last_t, 1e-9)
 
 
 def evaluate(cfg: DictConfig, client, tokenizer, eval_rows: dict, rdir: Path, step: int) -> dict:
@@ -375,29 +392,8 @@ def restore(path: Path, trainers, prompts, ledger, generator) -> tuple[int, int]
     trainers.call("load", str(Path(path) / "megatron"), timeout=1800)
     prompts.load_state_dict(state["prompts"])
     ledger.load_state_dict(state["ledger"])
-    gen = state["generator"]
-    if hasattr(generator, "ctl"):
-        restore_async(generator, gen, ledger)
-    else:
-        generator.load_state_dict(gen)
+    generator.load_state_dict(state["generator"])
     return int(state["step"]), int(state["version"])
-
-
-def restore_async(generator, gen: dict, ledger) -> None:
-    """Buffered groups come back as they were; groups that were in flight are dropped as `interrupted`
-    (counted) and their prompts regenerated first under new ids."""
-    from m2po_megatron.generation import group_from_dict
-
-    generator.ctl.load_state_dict(gen["controller"])
-    generator.next_gid = gen["next_gid"]
-    for d in gen["finished"]:
-        g = group_from_dict(d)
-        generator.finished[g.group_id] = g
-    if gen["inflight_ids"]:
-        ledger.drop(gen["inflight_ids"], "interrupted")
-    for gid in generator.ctl.running():
-        generator.ctl.on_dropped(gid)
-    generator.regenerate = [r for r in gen["regenerate"] if r is not None]
 
 
 def _jsonable(x):

@@ -6,7 +6,6 @@ actor has already reduced over data-parallel ranks."""
 from __future__ import annotations
 
 import os
-import time
 from typing import Optional
 
 from m2po_megatron.cluster import RankActorBase
@@ -25,6 +24,7 @@ class TrainerWorker(RankActorBase):
         from m2po_megatron.actor.actor import MegatronActor
 
         self.actor = MegatronActor(**actor_kwargs)
+        self.hf_config = actor_kwargs.get("hf_model_dir") or actor_kwargs.get("hf_config")
         return self.node()
 
     # -- training --------------------------------------------------------------------------------
@@ -43,32 +43,38 @@ class TrainerWorker(RankActorBase):
 
     # -- weight sync --------------------------------------------------------------------------------
     def init_weight_sync(self, urls: list[str], api_key: Optional[str], bucket_mb: int, group_port: int,
-                         update_mode: str = "pause") -> bool:
-        """Rank 0 is the source: it forms a group with every engine rank (fixed order) and broadcasts.
-        Other ranks only take part in the tensor-parallel gathers of the export iterator."""
+                         update_mode: str = "pause", ranks_per_server: int = 1) -> bool:
+        """Global rank 0 is the source: it forms a group with every engine rank (in a fixed order) and
+        broadcasts. The other tensor-parallel ranks of data-parallel replica 0 only take part in the
+        gathers of the export iterator; other replicas hold the same weights and do nothing."""
+        from megatron.core import parallel_state as mpu
+
         self.export_kwargs = {"bucket_mb": bucket_mb}
+        self.exports = mpu.get_data_parallel_rank() == 0
+        if mpu.get_pipeline_model_parallel_world_size() > 1:
+            raise NotImplementedError("weight sync with pipeline_model_parallel_size > 1 is not supported yet "
+                                      "(one source rank per stage); use tensor parallelism for the trainer")
         if int(os.environ.get("RANK", "0")) != 0:
             return False
         from m2po_megatron.cluster import node_ip
-        from m2po_megatron.rollout.weight_sync import WeightSync
+        from m2po_megatron.rollout.weight_sync import DistributedWeightSync
 
-        self.sync = WeightSync(urls, master_address=node_ip(), master_port=group_port, api_key=api_key,
-                               mode=update_mode)
+        self.sync = DistributedWeightSync(urls, master_address=node_ip(), master_port=group_port,
+                                          ranks_per_server=ranks_per_server, mode=update_mode, api_key=api_key)
         self.sync.init_group()
         return True
 
     def sync_weights(self, version: int) -> dict:
         from m2po_megatron.convert.export import iter_hf_weight_buckets
 
-        t0 = time.perf_counter()
-        buckets = iter_hf_weight_buckets(self.actor.model_chunks, self.actor.hf_config, **self.export_kwargs)
+        if not self.exports:
+            return {}
+        buckets = iter_hf_weight_buckets(self.actor.model_chunks, self.hf_config, **self.export_kwargs)
         if self.sync is None:
-            for _ in buckets:  # non-source ranks: take part in the gathers, send nothing
+            for _ in buckets:  # take part in the tensor-parallel gathers; rank 0 sends
                 pass
             return {}
-        stats = self.sync.sync(buckets, weight_version=str(version))
-        stats.setdefault("weight_sync/seconds", time.perf_counter() - t0)
-        return stats
+        return self.sync.sync(buckets, weight_version=str(version))
 
     def close(self) -> None:
         if self.sync is not None:
