@@ -1,0 +1,230 @@
+"""run_state: atomic checkpoint dirs, keep-last, resume resolution, run-state file, RNG, SIGTERM flag."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from m2po_megatron.run_state import (
+    MARKER,
+    CheckpointManager,
+    RunStateError,
+    capture_rng_state,
+    install_sigterm_flag,
+    load_run_state,
+    restore_rng_state,
+    save_run_state,
+)
+
+
+def _save(mgr: CheckpointManager, step: int, payload: str = "w") -> None:
+    tmp = mgr.begin(step)
+    (tmp / "model").mkdir()
+    (tmp / "model" / "weights.bin").write_text(payload * 100)
+    save_run_state(tmp / "run_state.json", {"step": step})
+    mgr.commit(step)
+
+
+def test_commit_publishes_a_complete_dir(tmp_path):
+    mgr = CheckpointManager(tmp_path / "ckpt", keep_last=3)
+    assert mgr.latest() is None
+    _save(mgr, 7)
+    final = mgr.latest()
+    assert final == tmp_path / "ckpt" / "step_0000007"
+    assert (final / MARKER).is_file() and (final / "model" / "weights.bin").is_file()
+    assert load_run_state(final / "run_state.json") == {"step": 7}
+    assert not mgr.tmp_dir(7).exists()
+
+
+def test_crash_mid_write_is_ignored(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=0)
+    _save(mgr, 10)
+    # a crash while writing step 20: its temp dir holds files but was never committed
+    tmp = mgr.begin(20)
+    (tmp / "half.bin").write_text("x")
+    # a step dir without the marker (e.g. copied by hand, or written by something else)
+    (tmp_path / "step_0000030").mkdir()
+    (tmp_path / "step_0000030" / "weights.bin").write_text("x")
+    with pytest.warns(UserWarning, match="no COMPLETE marker"):
+        assert mgr.latest() == mgr.step_dir(10)
+    with pytest.warns(UserWarning):
+        assert mgr.resolve_resume("auto") == mgr.step_dir(10)
+    # restarting the same step removes the leftover
+    assert not (mgr.begin(20) / "half.bin").exists()
+
+
+def test_crash_between_marker_and_rename(tmp_path, monkeypatch):
+    mgr = CheckpointManager(tmp_path, keep_last=0)
+    _save(mgr, 1)
+    tmp = mgr.begin(2)
+    (tmp / "w").write_text("x")
+
+    def boom(*a, **k):
+        raise OSError("simulated crash")
+
+    monkeypatch.setattr(os, "rename", boom)
+    with pytest.raises(OSError, match="simulated crash"):
+        mgr.commit(2)
+    monkeypatch.undo()
+    assert (tmp / MARKER).exists()  # marked, but still under its temporary name
+    assert mgr.latest() == mgr.step_dir(1)
+    _save(mgr, 3)  # a later commit cleans the stale temp dir of step 2
+    assert not tmp.exists() and mgr.complete_steps() == [1, 3]
+
+
+def test_crash_in_a_real_process_leaves_previous_checkpoint(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    _save(mgr, 5)
+    code = textwrap.dedent(f"""
+        import os
+        from m2po_megatron.run_state import CheckpointManager
+        mgr = CheckpointManager({str(tmp_path)!r})
+        tmp = mgr.begin(6)
+        with open(tmp / "big.bin", "wb") as f:
+            f.write(b"x" * 1000)
+            f.flush()
+            os.kill(os.getpid(), 9)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert r.returncode == -9
+    assert mgr.tmp_dir(6).exists() and mgr.latest() == mgr.step_dir(5)
+
+
+def test_keep_last(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    for s in range(0, 50, 10):
+        _save(mgr, s)
+    assert mgr.complete_steps() == [30, 40]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000030", "step_0000040"]
+    keep_all = CheckpointManager(tmp_path / "all", keep_last=0)
+    for s in range(4):
+        _save(keep_all, s)
+    assert keep_all.complete_steps() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="keep_last = -1"):
+        CheckpointManager(tmp_path, keep_last=-1)
+
+
+def test_recommit_replaces(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    _save(mgr, 4, payload="a")
+    _save(mgr, 4, payload="b")
+    assert (mgr.step_dir(4) / "model" / "weights.bin").read_text() == "b" * 100
+    assert [p.name for p in tmp_path.iterdir()] == ["step_0000004"]
+
+
+def test_commit_without_begin(tmp_path):
+    with pytest.raises(RunStateError, match=r"call begin\(3\)"):
+        CheckpointManager(tmp_path).commit(3)
+
+
+def test_resolve_resume(tmp_path):
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    assert mgr.resolve_resume("none") is None and mgr.resolve_resume(None) is None
+    assert mgr.resolve_resume("auto") is None  # nothing yet: start fresh
+    _save(mgr, 2)
+    _save(mgr, 3)
+    assert mgr.resolve_resume("auto") == mgr.step_dir(3)
+    assert mgr.resolve_resume(str(mgr.step_dir(2))) == mgr.step_dir(2)
+    other = CheckpointManager(tmp_path / "elsewhere")
+    assert other.resolve_resume(tmp_path / "ckpt") == mgr.step_dir(3)  # a root: its latest
+    with pytest.raises(RunStateError, match="no such checkpoint"):
+        mgr.resolve_resume(tmp_path / "missing")
+    (tmp_path / "partial").mkdir()
+    with pytest.raises(RunStateError, match="not a complete checkpoint"):
+        mgr.resolve_resume(tmp_path / "partial")
+
+
+def test_run_state_round_trip_with_rng(tmp_path):
+    torch.manual_seed(3), np.random.seed(3), random.seed(3)
+    rng = capture_rng_state()
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    state = {"step": 12, "version": 48, "data_position": 3072, "rng": rng,
+             "staleness": {"running": [["g1", 40]], "finished": [[5, 44]]}, "queued_batches": ["/x/b0.pt"],
+             "in_flight_prompts": [101, 102], "counters": {"samples/generated": 10}, "loss": float("nan")}
+    save_run_state(tmp_path / "rs.json", state)
+    random.random(), np.random.rand(), torch.rand(1)  # move all generators on
+    back = load_run_state(tmp_path / "rs.json")
+    assert back["staleness"] == state["staleness"] and back["step"] == 12 and back["loss"] != back["loss"]
+    restore_rng_state(back["rng"])
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_corrupt_and_partial_run_state(tmp_path):
+    p = tmp_path / "rs.json"
+    save_run_state(p, {"step": 1, "queue": list(range(50))})
+    text = p.read_text()
+    p.write_text(text[: len(text) // 2])  # truncated, as by a crash without the atomic rename
+    with pytest.raises(RunStateError, match="corrupt or partially written"):
+        load_run_state(p)
+    p.write_text(text.replace('"step": 1', '"step": 2'))
+    with pytest.raises(RunStateError, match="checksum mismatch"):
+        load_run_state(p)
+    doc = json.loads(text)
+    doc["schema_version"] = 99
+    p.write_text(json.dumps(doc))
+    with pytest.raises(RunStateError, match="schema version 99"):
+        load_run_state(p)
+    p.write_text("[1, 2]")
+    with pytest.raises(RunStateError, match="not an m2po run-state file"):
+        load_run_state(p)
+    with pytest.raises(RunStateError, match="does not exist"):
+        load_run_state(tmp_path / "nope.json")
+
+
+def test_unserialisable_state_names_the_key(tmp_path):
+    with pytest.raises(TypeError, match=r"state.queue\[1\]: Tensor is not JSON-serialisable"):
+        save_run_state(tmp_path / "rs.json", {"queue": [1, torch.zeros(2)]})
+    with pytest.raises(TypeError, match="key 3 is int"):
+        save_run_state(tmp_path / "rs.json", {"counts": {3: 1}})
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_sigterm_flag_in_process():
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
+    flag = install_sigterm_flag()
+    try:
+        assert not flag.requested
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flag.requested and flag.signal_name == "SIGUSR1"
+        os.kill(os.getpid(), signal.SIGTERM)  # a later signal is only recorded
+        assert flag.signal_name == "SIGUSR1"
+    finally:
+        flag.restore()
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_lets_a_loop_checkpoint_and_exit(tmp_path):
+    code = textwrap.dedent(f"""
+        import sys, time
+        from m2po_megatron.run_state import CheckpointManager, install_sigterm_flag, save_run_state
+        flag = install_sigterm_flag()
+        mgr = CheckpointManager({str(tmp_path)!r})
+        print("ready", flush=True)
+        step = 0
+        while not flag.requested:
+            step += 1
+            time.sleep(0.01)
+        tmp = mgr.begin(step)
+        save_run_state(tmp / "run_state.json", {{"step": step, "signal": flag.signal_name}})
+        mgr.commit(step)
+        sys.exit(0)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "received SIGTERM" in err
+    latest = CheckpointManager(tmp_path).latest()
+    assert load_run_state(latest / "run_state.json")["signal"] == "SIGTERM"
