@@ -1,0 +1,160 @@
+"""Build the embedded default's task: tokenizer + tiny Qwen2 model warmed up on synthetic sums + data.
+
+The warm-up is supervised on worked solutions and deliberately short: it stops as soon as sampled accuracy
+(temperature 1, math-verify reward) on a calibration set reaches ``target_accuracy``, so RL starts from a
+model that is sometimes right and has room to improve. Everything is local and deterministic given ``seed``
+(one torch thread during the build).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .synthetic import SumSpec, generate_problems
+
+TRAIN_FILE, EVAL_FILE, INFO_FILE = "train.jsonl", "eval.jsonl", "build_info.json"
+
+
+@dataclass(frozen=True)
+class TinyTaskPaths:
+    model_dir: str  # HF model + tokenizer (AutoModelForCausalLM / AutoTokenizer load it)
+    train_jsonl: str
+    eval_jsonl: str
+    info_json: str
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    hidden_size: int = 96
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 128
+
+
+def chat_prompt(tokenizer, prompt: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def sampled_accuracy(model, tokenizer, rows: list[dict], seed: int, temperature: float = 1.0,
+                     max_new_tokens: int = 32) -> float:
+    """Fraction of rows answered correctly by one sample each (math-verify on the decoded response)."""
+    from ..eval.hf_generate import hf_generate_fn
+    from ..reward import math_verify_reward
+
+    gen = hf_generate_fn(model, tokenizer.pad_token_id, tokenizer.eos_token_id, batch_size=128, seed=seed)
+    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+    outs = gen(prompts, 1, temperature, 1.0, max_new_tokens)
+    texts = [tokenizer.decode(o[0], skip_special_tokens=True) for o in outs]
+    return sum(math_verify_reward(t, r["answer"]) == 1.0 for t, r in zip(texts, rows)) / len(rows)
+
+
+DEFAULT_SPEC = SumSpec(min_terms=2, max_terms=3, max_value=9)  # 1,100 distinct problems
+
+
+def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n_eval: int = 128,
+                    spec: SumSpec = DEFAULT_SPEC, model: TinyModelSpec = TinyModelSpec(),
+                    target_accuracy: float = 0.25, max_warmup_steps: int = 600, check_every: int = 20,
+                    n_calibration: int = 128, batch_size: int = 32, lr: float = 3e-3,
+                    log=print) -> TinyTaskPaths:
+    """Write tokenizer, a warmed-up tiny Qwen2 (safetensors), train/eval JSONL and build_info.json to
+    ``out_dir``; return their paths. Eval and calibration problems are disjoint from each other and
+    from the warm-up and train problems."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from .tiny_tokenizer import build_tiny_tokenizer
+
+    if not 0 < target_accuracy < 1:
+        raise ValueError(f"target_accuracy must be in (0, 1), got {target_accuracy}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # determinism across machines, and fairness on a shared one
+    try:
+        tok = build_tiny_tokenizer()
+        # eval and calibration are held out from everything; warm-up and RL train may share problems
+        eval_rows = generate_problems(n_eval, seed, spec, split="eval")
+        held_out = {r["problem"] for r in eval_rows}
+        calib_rows = generate_problems(n_calibration, seed, spec, exclude=held_out, split="calibration")
+        held_out |= {r["problem"] for r in calib_rows}
+        train_rows = generate_problems(n_train, seed, spec, exclude=held_out, split="train")
+        n_warm = min(max_warmup_steps * batch_size, 20000, spec.space - len(held_out))
+        warm_rows = generate_problems(n_warm, seed, spec, exclude=held_out, split="warmup")
+        for rows in (eval_rows, train_rows, calib_rows, warm_rows):
+            for r in rows:  # the training format's prompt is the final text fed to the tokenizer
+                r["prompt"] = chat_prompt(tok, r["prompt"])
+
+        torch.manual_seed(seed)
+        cfg = Qwen2Config(vocab_size=64 * ((len(tok) + 63) // 64), hidden_size=model.hidden_size,
+                          num_hidden_layers=model.num_hidden_layers,
+                          num_attention_heads=model.num_attention_heads,
+                          num_key_value_heads=model.num_key_value_heads,
+                          intermediate_size=model.intermediate_size,
+                          max_position_embeddings=model.max_position_embeddings, tie_word_embeddings=True,
+                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id, rope_theta=10000.0, dtype="float32")
+        lm = Qwen2ForCausalLM(cfg)
+        opt = torch.optim.AdamW(lm.parameters(), lr=lr, weight_decay=0.0)
+
+        def batch(rows):
+            seqs, labels = [], []
+            for r in rows:
+                p = tok(r["prompt"], add_special_tokens=False)["input_ids"]
+                s = tok(r["solution"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                seqs.append(p + s)
+                labels.append([-100] * len(p) + s)  # learn the response only
+            width = max(map(len, seqs))
+            ids = torch.full((len(seqs), width), tok.pad_token_id)
+            lab = torch.full((len(seqs), width), -100)
+            att = torch.zeros((len(seqs), width), dtype=torch.long)
+            for i, (s, l) in enumerate(zip(seqs, labels)):
+                ids[i, : len(s)], lab[i, : len(l)], att[i, : len(s)] = torch.tensor(s), torch.tensor(l), 1
+            return ids, lab, att
+
+        order = random.Random(f"{seed}/order").sample(range(len(warm_rows)), len(warm_rows))
+        history, step, acc = [], 0, 0.0
+        while step < max_warmup_steps:
+            lm.train()
+            idx = [order[(step * batch_size + j) % len(order)] for j in range(batch_size)]
+            ids, lab, att = batch([warm_rows[i] for i in idx])
+            loss = lm(input_ids=ids, attention_mask=att, labels=lab).loss
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
+            opt.step()
+            step += 1
+            if step % check_every == 0:
+                acc = sampled_accuracy(lm, tok, calib_rows, seed=seed + step)
+                history.append({"step": step, "loss": round(loss.item(), 4), "calibration_accuracy": acc})
+                log(f"warm-up step {step}: loss {loss.item():.3f}, sampled accuracy {acc:.3f}")
+                if acc >= target_accuracy:
+                    break
+        eval_acc = sampled_accuracy(lm, tok, eval_rows, seed=seed + 10**6)
+        log(f"warm-up done after {step} steps: held-out sampled accuracy {eval_acc:.3f}")
+
+        lm.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                                pad_token_id=tok.pad_token_id, do_sample=True,
+                                                temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=32)
+        lm.save_pretrained(out, safe_serialization=True)
+        tok.save_pretrained(out)
+        for name, rows in ((TRAIN_FILE, train_rows), (EVAL_FILE, eval_rows)):
+            with open(out / name, "w") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
+        info = {"seed": seed, "spec": asdict(spec), "model": asdict(model), "warmup_steps": step,
+                "target_accuracy": target_accuracy, "eval_sampled_accuracy": eval_acc,
+                "history": history, "n_train": n_train, "n_eval": n_eval,
+                "build_seconds": round(time.monotonic() - t_start, 1),
+                "parameters": sum(p.numel() for p in lm.parameters())}
+        (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    finally:
+        torch.set_num_threads(threads)
+    return TinyTaskPaths(str(out), str(out / TRAIN_FILE), str(out / EVAL_FILE), str(out / INFO_FILE))

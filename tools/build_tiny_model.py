@@ -1,0 +1,31 @@
+#!/usr/bin/env python
+"""Build the embedded default's task: a tiny Qwen2 model (HF format, warmed up on synthetic sums), its
+tokenizer, and train/eval JSONL. Usage: tools/build_tiny_model.py OUT_DIR [--seed 0]."""
+
+import argparse
+import json
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("out_dir")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target-accuracy", type=float, default=0.25,
+                    help="stop the warm-up once sampled accuracy (temperature 1) on calibration problems reaches this")
+    ap.add_argument("--max-warmup-steps", type=int, default=600)
+    ap.add_argument("--n-train", type=int, default=512)
+    ap.add_argument("--n-eval", type=int, default=128)
+    args = ap.parse_args(argv)
+    from m2po_megatron.data.tiny_model import build_tiny_task
+
+    paths = build_tiny_task(args.out_dir, seed=args.seed, target_accuracy=args.target_accuracy,
+                            max_warmup_steps=args.max_warmup_steps, n_train=args.n_train, n_eval=args.n_eval)
+    info = json.loads(open(paths.info_json).read())
+    print(json.dumps({"paths": paths.__dict__, "warmup_steps": info["warmup_steps"],
+                      "eval_sampled_accuracy": info["eval_sampled_accuracy"]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
