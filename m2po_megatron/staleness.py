@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 __all__ = [
     "DROP_REASONS",
