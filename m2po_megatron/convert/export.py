@@ -1,0 +1,77 @@
+"""Export of a live, sharded Megatron model as HF-named full tensors (rollout weight sync, conversion).
+
+Who gets tensors: on each pipeline stage, the *source rank* (tensor-parallel rank 0, data-parallel rank 0,
+context-parallel rank 0) yields that stage's tensors; every other rank yields nothing. All tensor-parallel ranks
+of a data-parallel-rank-0 replica must iterate to the end, because each parameter is all-gathered over the TP
+group. Ranks with data/context-parallel rank > 0 return at once (no communication).
+
+Order: deterministic: pipeline stage's chunks in order, parameters in module order (embedding, layers in order,
+final norm, output layer), HF names within a parameter in table order (q, k, v; gate, up). With tied embeddings
+the last stage's output_layer copy is skipped (HF has no lm_head.weight)."""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+from m2po_megatron.models.hf_config import HFModelSpec, read_hf_config
+from m2po_megatron.models.loading import global_named_parameters
+from m2po_megatron.models.weights import rule_for, to_hf
+
+
+def _spec(hf_config: Any) -> HFModelSpec:
+    return hf_config if isinstance(hf_config, HFModelSpec) else read_hf_config(hf_config)
+
+
+@torch.no_grad()
+def iter_hf_tensors(model_chunks: Any, hf_config: Any, dtype: torch.dtype | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, full tensor) for this pipeline stage, on its source rank (see module docstring)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    spec = _spec(hf_config)
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    init = ps.model_parallel_is_initialized()
+    if init and (ps.get_data_parallel_rank() != 0 or ps.get_context_parallel_rank() != 0):
+        return
+    tp = ps.get_tensor_model_parallel_world_size() if init else 1
+    tp_rank = ps.get_tensor_model_parallel_rank() if init else 0
+    group = ps.get_tensor_model_parallel_group() if init and tp > 1 else None
+    for chunk in chunks:
+        for name, p in global_named_parameters(chunk):
+            if name == "output_layer.weight" and spec.tie_word_embeddings:
+                continue
+            rule, layer = rule_for(spec, name)
+            data = p.detach()
+            if tp > 1 and rule.kind != "replicated":
+                parts = [torch.empty_like(data) for _ in range(tp)]
+                dist.all_gather(parts, data.contiguous(), group=group)
+            else:
+                parts = [data]
+            if tp_rank != 0:
+                continue
+            for hf_name, t in to_hf(spec, rule, parts, layer):
+                t = t.to(dtype) if dtype is not None else t
+                yield hf_name, t.contiguous()
+
+
+def iter_hf_weight_buckets(model_chunks: Any, hf_config: Any, bucket_mb: float = 512, dtype: torch.dtype | None = None
+                           ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Lists of (hf_name, full tensor) of at most `bucket_mb` MiB each (a single larger tensor gets a bucket of
+    its own), in the deterministic order of `iter_hf_tensors`. Yields only on each pipeline stage's source rank;
+    every TP rank of data-parallel replica 0 must exhaust the iterator (it all-gathers)."""
+    if bucket_mb <= 0:
+        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+    limit = int(bucket_mb * 1024 * 1024)
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in iter_hf_tensors(model_chunks, hf_config, dtype):
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
