@@ -43,6 +43,7 @@ def slurm_cluster(tmp_path_factory):
     except subprocess.TimeoutExpired:
         pytest.skip("starting the local Slurm (apt-get install) took over 15 min")
     if res.returncode != 0:
+        subprocess.run([str(TOOL / "stop-local-slurm.sh")], env=env, capture_output=True, timeout=180)
         if not Path("/usr/bin/sbatch").exists():
             pytest.skip(f"Slurm could not be installed: {res.stderr[-500:]}")
         if "unshare --uts --mount not permitted" in res.stderr:
@@ -54,6 +55,7 @@ def slurm_cluster(tmp_path_factory):
     env["M2PO_RAY_CPUS"] = "1"  # 2 real cores shared by the fake nodes
     env["M2PO_RAY_OBJECT_STORE_BYTES"] = str(100 * 1024**2)
     env["M2PO_STOP_TIMEOUT"] = "20"
+    env["M2PO_RAY_START_TIMEOUT"] = "300"
     yield env
     subprocess.run([str(TOOL / "stop-local-slurm.sh")], env=env, capture_output=True, timeout=180)
 
