@@ -167,8 +167,13 @@ class RolloutClient:
         await self._ensure()
         attempt = 0
         while True:
-            srv = await self._pick()
+            try:
+                srv = await self._pick()
+            except RolloutFailed:
+                self.stats.failed += 1
+                raise
             srv.outstanding += 1
+            self._per_server()
             try:
                 async with srv.sem:
                     async with self._session.post(f"{srv.url}/generate", json=body, timeout=self._timeout()) as r:
