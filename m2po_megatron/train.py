@@ -53,9 +53,9 @@ def train(cfg: DictConfig) -> Path:
             sync_weights(trainers, version)  # restarted servers hold the base weights
             if hasattr(generator, "ctl"):
                 generator.ctl.on_sync(version)
+        if step == 0 and eval_rows:  # the starting point, before generation competes for the servers
+            logger.log(evaluate(cfg, client, tokenizer, eval_rows, rdir, step, generator), step=0)
         start_generation(generator)
-        if step == 0 and eval_rows:
-            logger.log(evaluate(cfg, client, tokenizer, eval_rows, rdir, step), step=0)
 
         U = cfg.train.updates_per_step
         progress = Progress(cfg.train.steps - step, "train", unit="step")
@@ -76,7 +76,8 @@ def train(cfg: DictConfig) -> Path:
 
             t2 = time.perf_counter()
             sync_stats = {}
-            if should_sync(cfg, generator, version, last_synced):
+            eval_now = bool(eval_rows) and cfg.eval.interval and step % cfg.eval.interval == 0
+            if should_sync(cfg, generator, version, last_synced) or (eval_now and last_synced != version):
                 pause = generator_pause(generator)
                 sync_stats = sync_weights(trainers, version)
                 last_synced = version
@@ -92,8 +93,8 @@ def train(cfg: DictConfig) -> Path:
                        "time/step": time.perf_counter() - t0,
                        "tokens_per_s/train": sb.metrics.get("batch/tokens", 0) / max(t_train, 1e-9),
                        "tokens_per_s/gen": gen_throughput(generator, t0)}
-            if cfg.eval.interval and step % cfg.eval.interval == 0 and eval_rows:
-                metrics.update(evaluate(cfg, client, tokenizer, eval_rows, rdir, step))
+            if eval_now:
+                metrics.update(evaluate(cfg, client, tokenizer, eval_rows, rdir, step, generator))
             logger.log(metrics, step=step)
             progress.update(postfix=f"reward {metrics.get('reward/mean', float('nan')):.3f} "
                                     f"staleness {metrics.get('staleness/mean', 0):.1f}")
@@ -105,7 +106,7 @@ def train(cfg: DictConfig) -> Path:
         if not (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or stop.requested:
             save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
         if step >= cfg.train.steps and eval_rows and cfg.eval.interval and step % cfg.eval.interval:
-            logger.log(evaluate(cfg, client, tokenizer, eval_rows, rdir, step), step=step)
+            logger.log(evaluate(cfg, client, tokenizer, eval_rows, rdir, step, generator), step=step)
         progress.close()
     finally:
         for closer in (generator, rewards, client):
@@ -149,9 +150,15 @@ def load_data(cfg: DictConfig):
 
     if not cfg.data.train_path:
         raise ValueError("data.train_path is not set; prepare data with `m2po prepare-data`")
+    from m2po_megatron.eval.benchmarks import EvalSet
+
     prompts = PromptStream(load_prompt_rows(cfg.data.train_path), cfg.data.shuffle_seed)
-    eval_rows = {Path(p).stem: load_prompt_rows(p) for p in cfg.data.eval_paths}
-    return prompts, eval_rows
+    e = cfg.eval
+    eval_sets = []
+    for path in cfg.data.eval_paths:
+        name = Path(path).name.split(".")[0]
+        eval_sets.append(EvalSet(name, load_prompt_rows(path), e.n_samples_overrides.get(name, e.n_samples)))
+    return prompts, eval_sets
 
 
 def start_rollout_engines(cfg: DictConfig, rdir: Path):
@@ -199,7 +206,7 @@ def actor_kwargs(cfg: DictConfig) -> dict:
         dtype = "bf16" if device.has_cuda() else "fp32"
     loss_kwargs = {"loss_agg_mode": a.loss_agg_mode}
     if a.dual_clip_c is not None:
-        loss_kwargs["dual_clip_c"] = a.dual_clip_c
+        loss_kwargs["dual_clip"] = a.dual_clip_c
     if a.name == "grpo":
         loss_kwargs.update(eps_low=a.grpo.eps_clip_low, eps_high=a.grpo.eps_clip_high)
     elif a.name == "gspo":
@@ -212,7 +219,7 @@ def actor_kwargs(cfg: DictConfig) -> dict:
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
         context_parallel_size=p.context_parallel_size, sequence_parallel=p.sequence_parallel,
         use_distributed_optimizer=p.use_distributed_optimizer, precision=dtype, fp8=cfg.model.fp8,
-        fp8_recipe=cfg.model.fp8_recipe, lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_updates,
+        fp8_recipe=cfg.model.fp8_recipe if cfg.model.fp8 else None, lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_updates,
         lr_decay_steps=max(total_updates, 1), lr_decay_style=o.lr_schedule, weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
         micro_batch_tokens=cfg.train.micro_batch_tokens, loss_name=a.name, loss_kwargs=loss_kwargs,
@@ -291,7 +298,9 @@ def train_on(cfg: DictConfig, trainers, batch) -> dict:
     if batch is None:  # every sample of the step was dropped (counted); nothing to train on
         return {}
     ref = ray.put(batch)
-    return trainers.call("train_step", ref, cfg.train.updates_per_step)[0]
+    out = trainers.call("train_step", ref, cfg.train.updates_per_step)[0]
+    out.pop("per_update", None)  # per-update details stay out of the step's metrics row
+    return out
 
 
 def recompute_behaviour_logprobs(trainers, groups) -> None:
@@ -330,12 +339,15 @@ def generator_resume(generator, paused: bool) -> None:
 
 
 def sync_weights(trainers, version: int) -> dict:
-    stats = trainers.call("sync_weights", version, timeout=1800)
-    return {k: v for k, v in stats[0].items()}
+    stats = trainers.call("sync_weights", version, timeout=1800)[0]
+    return {f"weight_sync/{k}": v for k, v in stats.items() if isinstance(v, (int, float))}
 
 
 def rewards_stats(generator) -> dict:
-    return dict(generator.maker.reward_stats)
+    """Reward-pool counters since the previous step (timeouts, errors, verdicts)."""
+    with generator.maker.reward_lock:
+        stats, generator.maker.reward_stats = generator.maker.reward_stats, {}
+    return stats
 
 
 def gen_throughput(generator, t_step_start: float) -> float:
@@ -346,63 +358,56 @@ def gen_throughput(generator, t_step_start: float) -> float:
     return (tokens - last_tokens) / max(now - last_t, 1e-9)
 
 
-def evaluate(cfg: DictConfig, client, tokenizer, eval_rows: dict, rdir: Path, step: int) -> dict:
-    from m2po_megatron.eval import evaluate_sets
+class _LockedRewards:
+    """The run's reward pool, shared with the generation thread (one caller at a time)."""
+
+    def __init__(self, pool, lock):
+        self.pool, self.lock = pool, lock
+
+    def score(self, responses, answers):
+        with self.lock:
+            return self.pool.score(responses, answers)
+
+
+def evaluate(cfg: DictConfig, client, tokenizer, eval_sets: list, rdir: Path, step: int, generator) -> dict:
+    """avg@k pass@1 per benchmark through the rollout engines, at the weights the servers hold (the loop
+    syncs them to the trainer's first); tables in RUN_DIR/eval/."""
+    from m2po_megatron.eval.benchmarks import evaluate as run_eval
+    from m2po_megatron.eval.rollout_generate import rollout_generate_fn
 
     e = cfg.eval
-    table = evaluate_sets(client=client, tokenizer=tokenizer, datasets=eval_rows, n_samples=e.n_samples,
-                          n_samples_overrides=dict(e.n_samples_overrides), temperature=e.temperature,
-                          top_p=e.top_p, max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
-                          out_dir=rdir / "eval" / f"step_{step:06d}", seed=cfg.run.seed)
-    return {f"eval/{k}": v for k, v in table.items()}
+    res = run_eval(rollout_generate_fn(client, seed=cfg.run.seed + 7919 * step), tokenizer, eval_sets,
+                   temperature=e.temperature, top_p=e.top_p,
+                   max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
+                   reward_pool=_LockedRewards(generator.maker.rewards, generator.maker.reward_lock),
+                   out_dir=rdir, step=step)
+    return {**res.metrics(), "time/eval": res.seconds}
 
 
 # ----------------------------------------------------------------------------------------------------
 # Checkpoint and resume
 # ----------------------------------------------------------------------------------------------------
 def save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator) -> Path:
-    import numpy as np
-    import torch
-
-    from m2po_megatron.run_state import save_run_state
+    from m2po_megatron.run_state import capture_rng_state, save_run_state
 
     tmp = ckpts.begin(step)
     trainers.call("save", str(tmp / "megatron"), timeout=1800)
     save_run_state(tmp / "run_state.json", {
         "step": step, "version": version, "prompts": prompts.state_dict(), "ledger": ledger.state_dict(),
         "generator": generator.state_dict(),
-        "rng": {"python": _jsonable(random.getstate()), "numpy": _jsonable(np.random.get_state()),
-                "torch": torch.get_rng_state().tolist()},
+        "rng": capture_rng_state(),
     })
     return ckpts.commit(step)
 
 
 def restore(path: Path, trainers, prompts, ledger, generator) -> tuple[int, int]:
-    from m2po_megatron.run_state import load_run_state
-
-    import numpy as np
-    import torch
+    from m2po_megatron.run_state import load_run_state, restore_rng_state
 
     state = load_run_state(Path(path) / "run_state.json")
-    rng = state["rng"]
-    random.setstate(_tupled(rng["python"]))
-    np.random.set_state(tuple(rng["numpy"][:1]) + (np.array(rng["numpy"][1], dtype=np.uint32),)
-                        + tuple(rng["numpy"][2:]))
-    torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
+    restore_rng_state(state["rng"])
     trainers.call("load", str(Path(path) / "megatron"), timeout=1800)
     prompts.load_state_dict(state["prompts"])
     ledger.load_state_dict(state["ledger"])
     generator.load_state_dict(state["generator"])
     return int(state["step"]), int(state["version"])
 
-
-def _jsonable(x):
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if hasattr(x, "tolist"):
-        return x.tolist()
-    return x
-
-
-def _tupled(x):
-    return tuple(_tupled(v) for v in x) if isinstance(x, list) else x

@@ -69,7 +69,7 @@ class TrainerWorker(RankActorBase):
 
         if not self.exports:
             return {}
-        buckets = iter_hf_weight_buckets(self.actor.model_chunks, self.hf_config, **self.export_kwargs)
+        buckets = iter_hf_weight_buckets(self.actor.model_chunks(), self.hf_config, **self.export_kwargs)
         if self.sync is None:
             for _ in buckets:  # take part in the tensor-parallel gathers; rank 0 sends
                 pass

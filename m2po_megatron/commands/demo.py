@@ -35,14 +35,14 @@ def run(args) -> int:
     from m2po_megatron.train import train
 
     task = ensure_tiny_task(args.task_dir, args.seed)
-    overrides = [f"model.hf_path={task / 'model'}", f"data.train_path={task / 'train.jsonl'}",
+    overrides = [f"model.hf_path={task}", f"data.train_path={task / 'train.jsonl'}",
                  f"data.eval_paths=[{task / 'eval.jsonl'}]", *args.overrides]
     cfg = load_config("tiny-cpu", overrides)
     rdir = train(cfg)
     png = plot_runs([rdir], rdir / "plot.png")
-    rows = [r for r in read_metrics(rdir / "metrics.jsonl") if "eval/avg" in r]
+    rows = [r for r in read_metrics(rdir / "metrics.jsonl") if "eval/avg/pass@1" in r]
     if rows:
         print(f"[demo] held-out accuracy (avg@{cfg.eval.n_samples}): step {rows[0]['step']}: "
-              f"{rows[0]['eval/avg']:.3f} -> step {rows[-1]['step']}: {rows[-1]['eval/avg']:.3f}")
+              f"{rows[0]["eval/avg/pass@1"]:.1f}% -> step {rows[-1]['step']}: {rows[-1]["eval/avg/pass@1"]:.1f}%")
     print(f"[demo] run directory {rdir}: config.yaml, metrics.jsonl, checkpoints/, {png.name}")
     return 0
