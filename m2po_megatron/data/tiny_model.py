@@ -58,6 +58,18 @@ def sampled_accuracy(model, tokenizer, rows: list[dict], seed: int, temperature:
 DEFAULT_SPEC = SumSpec(min_terms=2, max_terms=3, max_value=9)  # 1,100 distinct problems
 
 
+def _check_reload(out: Path, tok, rows: list[dict]) -> None:
+    """AutoTokenizer on the model directory must tokenize exactly as the tokenizer the model learned with."""
+    from transformers import AutoTokenizer
+
+    again = AutoTokenizer.from_pretrained(out)
+    for r in rows:
+        text = r["prompt"] + r["solution"]
+        if again(text, add_special_tokens=False)["input_ids"] != tok(text, add_special_tokens=False)["input_ids"]:
+            raise RuntimeError(f"{out}: the saved tokenizer reloads as {type(again).__name__} and tokenizes "
+                               "differently from the one used for the warm-up")
+
+
 def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n_eval: int = 128,
                     spec: SumSpec = DEFAULT_SPEC, model: TinyModelSpec = TinyModelSpec(),
                     target_accuracy: float = 0.25, max_warmup_steps: int = 600, check_every: int = 20,
@@ -145,6 +157,7 @@ def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n
                                                 temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=32)
         lm.save_pretrained(out, safe_serialization=True)
         tok.save_pretrained(out)
+        _check_reload(out, tok, eval_rows[:8])
         for name, rows in ((TRAIN_FILE, train_rows), (EVAL_FILE, eval_rows)):
             with open(out / name, "w") as f:
                 for r in rows:

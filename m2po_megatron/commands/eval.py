@@ -1,0 +1,135 @@
+"""`m2po eval`: pass@1 (avg@k) of an HF checkpoint on the prepared benchmarks, through the rollout engines."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval",
+        help="evaluate an HF checkpoint (pass@1, avg@k) on prepared math benchmarks via the rollout engines",
+        description="Starts local rollout servers on MODEL (or attaches to --server-url), samples n answers per "
+                    "problem, scores them with math-verify, and writes RUN_DIR/eval/<step|eval>.{json,csv}.",
+    )
+    p.add_argument("--model-path", required=True, help="HF checkpoint directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--tokenizer", help="tokenizer directory or id (default: --model-path)")
+    p.add_argument("--data-dir", required=True, help="prepared eval sets: <name>.jsonl files (`m2po prepare-data` OUT/eval)")
+    p.add_argument("--eval-sets", help="comma-separated names (default: every set in --data-dir)")
+    p.add_argument("--out", required=True, help="run directory; results go to OUT/eval/")
+    p.add_argument("--step", type=int, help="training step this checkpoint belongs to (names the output files)")
+    p.add_argument("--n-samples", default=None,
+                   help="samples per problem: an integer for all sets, or name=k pairs (default: the paper's, 16 for "
+                        "AIME and 4 for the others)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.7, help="default 0.7 as in the released evaluation")
+    p.add_argument("--max-new-tokens", type=int, default=2560)
+    p.add_argument("--limit", type=int, help="first N problems of each set (smoke tests)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", choices=["rollout", "hf"], default="rollout",
+                   help="rollout: the rollout servers (default); hf: transformers generate in this process")
+    p.add_argument("--server-url", action="append", default=[],
+                   help="attach to running SGLang/rollout server(s) serving MODEL (repeatable) instead of starting one")
+    p.add_argument("--num-servers", type=int, default=1, help="local CPU servers to start (engine rollout)")
+    p.add_argument("--api-key", help="API key of the servers")
+    p.add_argument("--reward-workers", type=int, default=2)
+    p.add_argument("--reward-timeout", type=float, default=10.0, help="seconds per answer before it scores 0")
+    p.set_defaults(func=handler)
+
+
+def _parse_n(spec: str | None):
+    if spec is None:
+        return None
+    if spec.isdigit():
+        return int(spec)
+    out = {}
+    for part in spec.split(","):
+        name, _, k = part.partition("=")
+        if not k.isdigit():
+            raise ValueError(f"--n-samples: {part!r} is not name=k")
+        out[name.strip()] = int(k)
+    return out
+
+
+def _check_model_dir(path: str) -> str | None:
+    from pathlib import Path
+
+    p = Path(path)
+    if (p / "config.json").is_file():
+        return None
+    megatron_markers = ("latest_checkpointed_iteration.txt", "metadata.json", ".metadata", "common.pt")
+    if p.is_dir() and (any((p / m).exists() for m in megatron_markers) or any(p.glob("iter_*"))):
+        import importlib.util
+
+        if importlib.util.find_spec("m2po_megatron.convert") is None:
+            return (f"{path} looks like a Megatron checkpoint; `m2po eval` needs an HF checkpoint and "
+                    "m2po_megatron.convert is not available to convert it: export HF weights first")
+        return (f"{path} looks like a Megatron checkpoint; convert it to HF with m2po_megatron.convert, then "
+                "pass the HF directory")
+    return f"--model-path {path}: no config.json there; give an HF checkpoint directory"
+
+
+def handler(args) -> int:
+    err = _check_model_dir(args.model_path)
+    if err:
+        print(f"m2po eval: {err}", file=sys.stderr)
+        return 2
+    try:
+        n_samples = _parse_n(args.n_samples)
+    except ValueError as e:
+        print(f"m2po eval: {e}", file=sys.stderr)
+        return 2
+    from m2po_megatron.eval.benchmarks import evaluate, load_eval_sets
+    from m2po_megatron.reward import RewardPool
+
+    names = [n for n in args.eval_sets.split(",") if n] if args.eval_sets else None
+    try:
+        sets = load_eval_sets(args.data_dir, names, n_samples, args.limit)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"m2po eval: {e}", file=sys.stderr)
+        return 2
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model_path)
+    cleanup = []
+    try:
+        if args.engine == "hf":
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            from m2po_megatron.eval.hf_generate import hf_generate_fn
+
+            model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
+            pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+            gen = hf_generate_fn(model, pad, tok.eos_token_id, seed=args.seed)
+        else:
+            from m2po_megatron.eval.rollout_generate import rollout_generate_fn
+            from m2po_megatron.rollout.client import SyncRolloutClient
+
+            urls = list(args.server_url)
+            if not urls:
+                from m2po_megatron.rollout.launcher import EngineManager, ServerSpec
+
+                mgr = EngineManager([ServerSpec(model_path=args.model_path, engine="local", api_key=args.api_key)]
+                                    * args.num_servers, run_dir=args.out, use_ray=False)
+                cleanup.append(mgr.shutdown)
+                urls = mgr.start()
+            client = SyncRolloutClient(urls, api_key=args.api_key)
+            cleanup.append(client.close)
+            gen = rollout_generate_fn(client, seed=args.seed)
+        pool = RewardPool(args.reward_workers, args.reward_timeout, 0.0)
+        cleanup.append(pool.close)
+        res = evaluate(gen, tok, sets, temperature=args.temperature, top_p=args.top_p,
+                       max_new_tokens=args.max_new_tokens, reward_pool=pool, out_dir=args.out, step=args.step,
+                       log=lambda m: print(m, file=sys.stderr))
+    finally:
+        for f in reversed(cleanup):
+            try:
+                f()
+            except Exception as e:  # keep closing the rest
+                print(f"m2po eval: cleanup: {e}", file=sys.stderr)
+    for row in res.table():
+        print(f"{row['benchmark']:>16}  {row['pass@1']:6.2f}  ({row['problems']} x {row['samples']})")
+    print(json.dumps(res.files))
+    return 0
