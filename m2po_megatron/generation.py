@@ -145,6 +145,7 @@ class SyncGenerator:
         self.maker, self.prompts, self.ledger = maker, prompts, ledger
         self.groups_per_step, self.queue, self.recompute = groups_per_step, lag_queue, recompute_logprobs
         self.timeout_s = timeout_s
+        self.lock = threading.Lock()  # single-threaded; the loop takes it as it does the async one's
         self.next_gid = 0
         self.warmup_iterations = 0
         self.gen_seconds = 0.0
@@ -208,6 +209,7 @@ class AsyncGenerator:
         self.finished: dict[str, Group] = {}
         self.inflight: dict[str, Group] = {}
         self.discard: set[str] = set()
+        self.restart_drops = 0  # groups dropped because a restarted server answered with old weights
         self.regenerate: list[dict] = []  # prompts in flight at a checkpoint, regenerated first on resume
         self.next_gid = 0
         self.error: Optional[BaseException] = None
@@ -264,7 +266,15 @@ class AsyncGenerator:
                 self.ledger.drop(group.sample_ids, "too_stale")
                 return
             versions = [s.min_version for s in group.samples if s.versions]
-            self.ctl.on_generated(gid, min(versions) if versions else self.ctl.server_version)
+            oldest = min(versions) if versions else self.ctl.server_version
+            if oldest < self.ctl.deadline(gid) - self.ctl.max_staleness:
+                # Tokens older than the weights at admission: a server restarted with its base weights
+                # and answered before the loop re-synced it. Not trainable within the bound: drop.
+                self.ctl.on_dropped(gid)
+                self.ledger.drop(group.sample_ids, "aborted")
+                self.restart_drops += 1
+                return
+            self.ctl.on_generated(gid, oldest)
             self.finished[gid] = group
             self.lock.notify_all()
 
@@ -292,8 +302,8 @@ class AsyncGenerator:
                 self.lock.wait(timeout=min(1.0, left))
 
     def pending(self) -> int:
-        with self.lock:
-            return self.maker.n * len(self.inflight) + sum(len(g.samples) for g in self.finished.values())
+        """Samples in flight or buffered (call with `lock` held, so the count matches the ledger)."""
+        return self.maker.n * len(self.inflight) + sum(len(g.samples) for g in self.finished.values())
 
     def state_dict(self) -> dict:
         with self.lock:

@@ -50,24 +50,24 @@ def train(cfg: DictConfig) -> Path:
         step, version = 0, 0
         if resume_from is not None:
             step, version = restore(resume_from, trainers, prompts, ledger, generator)
-            sync_weights(trainers, version)  # restarted servers hold the base weights
-            if hasattr(generator, "ctl"):
-                generator.ctl.on_sync(version)
+            push_weights(trainers, generator, version)  # new servers hold the base weights
         if step == 0 and eval_rows:  # the starting point, before generation competes for the servers
             logger.log(evaluate(cfg, client, tokenizer, eval_rows, rdir, step, generator), step=0)
         start_generation(generator)
 
+        restarts = server_restarts(engines)
         U = cfg.train.updates_per_step
         progress = Progress(cfg.train.steps - step, "train", unit="step")
-        last_synced = version
+        synced = version  # the version the servers hold
         while step < cfg.train.steps and not stop.requested:
             t0 = time.perf_counter()
             groups = generator.next_groups(version)  # blocks until a batch may be trained
             t_wait = time.perf_counter() - t0
 
-            sb = build_batch(cfg, groups, version, ledger)  # advantages, staleness gating, ledger
+            with generator.lock:  # the generation thread writes the ledger too
+                sb = build_batch(cfg, groups, version, ledger)  # advantages, staleness gating, ledger
             t1 = time.perf_counter()
-            out = train_on(cfg, trainers, sb.batch)
+            out = train_on(cfg, trainers, sb.batch, ckpts)
             t_train = time.perf_counter() - t1
             version += U
             step += 1
@@ -75,19 +75,17 @@ def train(cfg: DictConfig) -> Path:
                 generator.ctl.on_step(version)
 
             t2 = time.perf_counter()
-            sync_stats = {}
-            eval_now = bool(eval_rows) and cfg.eval.interval and step % cfg.eval.interval == 0
-            if should_sync(cfg, generator, version, last_synced) or (eval_now and last_synced != version):
-                pause = generator_pause(generator)
-                sync_stats = sync_weights(trainers, version)
-                last_synced = version
-                if hasattr(generator, "ctl"):
-                    generator.ctl.on_sync(version)
-                generator_resume(generator, pause)
+            sync_stats = resync_restarted_servers(cfg, engines, trainers, urls, generator, version, restarts)
+            synced = version if sync_stats else synced
+            eval_now = bool(eval_rows) and cfg.eval.interval > 0 and step % cfg.eval.interval == 0
+            if should_sync(cfg, generator) or (eval_now and synced != version):
+                sync_stats.update(push_weights(trainers, generator, version))
+                synced = version
             t_sync = time.perf_counter() - t2
 
-            metrics = {"version": version, **sb.metrics, **out,
-                       **ledger.end_step(pending=generator.pending()),
+            with generator.lock:
+                accounting = ledger.end_step(pending=generator.pending())  # generated = consumed + dropped + pending
+            metrics = {"version": version, **sb.metrics, **out, **accounting,
                        **rewards_stats(generator), **sync_stats,
                        "time/wait_rollout": t_wait, "time/train": t_train, "time/weight_sync": t_sync,
                        "time/step": time.perf_counter() - t0,
@@ -101,13 +99,16 @@ def train(cfg: DictConfig) -> Path:
             if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
                 save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
 
-        if stop.requested and cfg.checkpoint.save_on_sigterm:
-            print(f"[m2po] signal received: checkpointing at step {step} and exiting", flush=True)
-        if not (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or stop.requested:
-            save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
-        if step >= cfg.train.steps and eval_rows and cfg.eval.interval and step % cfg.eval.interval:
-            logger.log(evaluate(cfg, client, tokenizer, eval_rows, rdir, step, generator), step=step)
         progress.close()
+        if stop.requested:
+            print(f"[m2po] {stop.signal_name} received: checkpointing at step {step} and exiting", flush=True)
+        if not (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or stop.requested:
+            if cfg.checkpoint.save_on_sigterm or not stop.requested:
+                save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
+        if not stop.requested and eval_rows and not (cfg.eval.interval and step % cfg.eval.interval == 0):
+            if synced != version:
+                push_weights(trainers, generator, version)
+            logger.log(evaluate(cfg, client, tokenizer, eval_rows, rdir, step, generator), step=step)
     finally:
         for closer in (generator, rewards, client):
             if closer is not None:
@@ -240,11 +241,34 @@ def start_trainers(cfg: DictConfig, world: int, rdir: Path):
     return group
 
 
-def init_weight_sync(cfg: DictConfig, trainers, urls: list[str]) -> None:
+def init_weight_sync(cfg: DictConfig, trainers, urls: list[str], generation: int = 0) -> None:
     r = cfg.rollout
     ranks = r.tp_size if r.engine == "sglang" else 1  # engine ranks per server join the group
     trainers.call("init_weight_sync", urls, secret(r.api_key, "M2PO_API_KEY"), r.bucket_mb, 0, r.update_mode,
-                  ranks, timeout=600)
+                  ranks, f"weight_update_group_{generation}", timeout=600)
+
+
+def server_restarts(engines) -> list[int]:
+    return [] if engines is None else [i["restarts"] for i in engines.info()]
+
+
+def resync_restarted_servers(cfg, engines, trainers, urls, generator, version, seen: list[int]) -> dict:
+    """A restarted server lost the weight-sync group and holds the base weights: form a new group with
+    every server and push the current weights. Its requests in flight were re-issued by the client;
+    groups it answered with old weights are dropped (counted) by the generator."""
+    now = server_restarts(engines)
+    if now == seen:
+        return {}
+    dead = [i["url"] for i in engines.info() if not i["alive"]]
+    if dead:
+        raise RuntimeError(f"rollout server(s) {dead} died and could not be restarted within "
+                           f"rollout.max_restarts = {cfg.rollout.max_restarts}; see {engines.log_path(0)}")
+    init_weight_sync(cfg, trainers, urls, generation=sum(now))
+    stats = push_weights(trainers, generator, version)
+    seen[:] = now
+    print(f"[m2po] rollout server restart detected (restarts {now}); weights re-synced at version {version}",
+          flush=True)
+    return {"rollout/server_restarts": sum(now), **stats}
 
 
 def make_reward_pool(cfg: DictConfig):
@@ -292,13 +316,19 @@ def build_batch(cfg: DictConfig, groups, version: int, ledger):
                             norm_by_std=cfg.algo.norm_adv_by_std, eps=cfg.algo.adv_eps)
 
 
-def train_on(cfg: DictConfig, trainers, batch) -> dict:
+def train_on(cfg: DictConfig, trainers, batch, ckpts) -> dict:
     import ray
 
     if batch is None:  # every sample of the step was dropped (counted); nothing to train on
         return {}
     ref = ray.put(batch)
-    out = trainers.call("train_step", ref, cfg.train.updates_per_step)[0]
+    try:
+        out = trainers.call("train_step", ref, cfg.train.updates_per_step)[0]
+    except ray.exceptions.RayActorError as e:
+        latest = ckpts.latest()
+        raise RuntimeError(f"a trainer rank died during the train step ({e.__class__.__name__}); the run stops. "
+                           + (f"Resume from {latest} with `--resume auto`." if latest else
+                              "No checkpoint was written yet; start again.")) from e
     out.pop("per_update", None)  # per-update details stay out of the step's metrics row
     return out
 
@@ -320,10 +350,23 @@ def recompute_behaviour_logprobs(trainers, groups) -> None:
         s.logprobs = [float(x) for x in lp]
 
 
-def should_sync(cfg: DictConfig, generator, version: int, last_synced: int) -> bool:
+def should_sync(cfg: DictConfig, generator) -> bool:
     if cfg.staleness.mode != "bounded":
         return True  # synchronous modes generate with the latest weights
     return generator.ctl.needs_sync()
+
+
+def push_weights(trainers, generator, version: int) -> dict:
+    """Pause admission, push the trainer's weights to every server (the weight sync itself retracts and
+    continues in-flight requests, or updates in flight), tell the staleness controller."""
+    paused = generator_pause(generator)
+    try:
+        stats = sync_weights(trainers, version)
+        if hasattr(generator, "ctl"):
+            generator.ctl.on_sync(version)
+    finally:
+        generator_resume(generator, paused)
+    return stats
 
 
 def generator_pause(generator) -> bool:

@@ -43,7 +43,8 @@ class TrainerWorker(RankActorBase):
 
     # -- weight sync --------------------------------------------------------------------------------
     def init_weight_sync(self, urls: list[str], api_key: Optional[str], bucket_mb: int, group_port: int,
-                         update_mode: str = "pause", ranks_per_server: int = 1) -> bool:
+                         update_mode: str = "pause", ranks_per_server: int = 1,
+                         group_name: str = "weight_update_group") -> bool:
         """Global rank 0 is the source: it forms a group with every engine rank (in a fixed order) and
         broadcasts. The other tensor-parallel ranks of data-parallel replica 0 only take part in the
         gathers of the export iterator; other replicas hold the same weights and do nothing."""
@@ -59,8 +60,11 @@ class TrainerWorker(RankActorBase):
         from m2po_megatron.cluster import node_ip
         from m2po_megatron.rollout.weight_sync import DistributedWeightSync
 
+        if self.sync is not None:  # re-forming the group (a server restarted): drop the old one first
+            self.sync.close()
         self.sync = DistributedWeightSync(urls, master_address=node_ip(), master_port=group_port,
-                                          ranks_per_server=ranks_per_server, mode=update_mode, api_key=api_key)
+                                          ranks_per_server=ranks_per_server, mode=update_mode, api_key=api_key,
+                                          group_name=group_name)
         self.sync.init_group()
         return True
 
