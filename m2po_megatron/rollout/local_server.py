@@ -331,11 +331,9 @@ def _receive(pg, dtypes, shapes):
     import torch
     import torch.distributed as dist
 
-    out = []
-    for dt, shape in zip(dtypes, shapes):
-        t = torch.empty(shape, dtype=getattr(torch, str(dt).removeprefix("torch.")))
-        dist.broadcast(t, src=0, group=pg)
-        out.append(t)
+    out = [torch.empty(shape, dtype=getattr(torch, str(dt).removeprefix("torch."))) for dt, shape in zip(dtypes, shapes)]
+    for work in [dist.broadcast(t, src=0, group=pg, async_op=True) for t in out]:  # queued in order, as sent
+        work.wait()
     return out
 
 
