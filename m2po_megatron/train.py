@@ -68,6 +68,7 @@ def train(cfg: DictConfig) -> Path:
                 sb = build_batch(cfg, groups, version, ledger)  # advantages, staleness gating, ledger
             t1 = time.perf_counter()
             out = train_on(cfg, trainers, sb.batch, ckpts)
+            out.update(logprob_mismatch(sb.samples, out.pop("per_update", None), version))
             t_train = time.perf_counter() - t1
             version += U
             step += 1
@@ -331,6 +332,17 @@ def train_on(cfg: DictConfig, trainers, batch, ckpts) -> dict:
                               "No checkpoint was written yet; start again.")) from e
     out.pop("per_update", None)  # per-update details stay out of the step's metrics row
     return out
+
+
+def logprob_mismatch(samples, per_update, version: int) -> dict:
+    """Behaviour (engine) vs trainer log-probs at the same weights: the first update of a step whose
+    samples were all generated at the step's starting version sees exactly that pair (ratio = 1 up to
+    numerics; FP8 rollouts or a broken weight sync show up here)."""
+    if not per_update or not samples or any(v != version for s in samples for v in s.versions):
+        return {}
+    first = per_update[0]
+    return {"logprob_mismatch/kl_k3": first.get("kl/k3"), "logprob_mismatch/kl_k1": first.get("kl/k1"),
+            "logprob_mismatch/ratio_max": first.get("ratio/max"), "logprob_mismatch/ratio_min": first.get("ratio/min")}
 
 
 def recompute_behaviour_logprobs(trainers, groups) -> None:

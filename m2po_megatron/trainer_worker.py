@@ -5,6 +5,7 @@ driver sends every rank the same batch (one object in Ray's store) and reads ran
 actor has already reduced over data-parallel ranks."""
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Optional
 
@@ -45,16 +46,14 @@ class TrainerWorker(RankActorBase):
     def init_weight_sync(self, urls: list[str], api_key: Optional[str], bucket_mb: int, group_port: int,
                          update_mode: str = "pause", ranks_per_server: int = 1,
                          group_name: str = "weight_update_group") -> bool:
-        """Global rank 0 is the source: it forms a group with every engine rank (in a fixed order) and
-        broadcasts. The other tensor-parallel ranks of data-parallel replica 0 only take part in the
-        gathers of the export iterator; other replicas hold the same weights and do nothing."""
+        """Global rank 0 is the only sender to the engines: it forms a group with every engine rank (in a
+        fixed order) and broadcasts. The other tensor-parallel ranks of data-parallel replica 0 take part
+        in the gathers of the export iterator; with pipeline parallelism each later stage's source rank
+        relays its buckets to rank 0 (one bucket in flight at a time). Other replicas do nothing."""
         from megatron.core import parallel_state as mpu
 
         self.export_kwargs = {"bucket_mb": bucket_mb}
-        self.exports = mpu.get_data_parallel_rank() == 0
-        if mpu.get_pipeline_model_parallel_world_size() > 1:
-            raise NotImplementedError("weight sync with pipeline_model_parallel_size > 1 is not supported yet "
-                                      "(one source rank per stage); use tensor parallelism for the trainer")
+        self.exports = mpu.get_data_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0
         if int(os.environ.get("RANK", "0")) != 0:
             return False
         from m2po_megatron.cluster import node_ip
@@ -69,19 +68,67 @@ class TrainerWorker(RankActorBase):
         return True
 
     def sync_weights(self, version: int) -> dict:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as mpu
+
         from m2po_megatron.convert.export import iter_hf_weight_buckets
 
         if not self.exports:
             return {}
         buckets = iter_hf_weight_buckets(self.actor.model_chunks(), self.hf_config, **self.export_kwargs)
-        if self.sync is None:
-            for _ in buckets:  # take part in the tensor-parallel gathers; rank 0 sends
+        stages = dist.get_process_group_ranks(mpu.get_pipeline_model_parallel_group())
+        if self.sync is not None:  # global rank 0: first stage's buckets, then each later stage's
+            stream = itertools.chain(buckets, *(_recv_buckets(src) for src in stages[1:]))
+            return self.sync.sync(stream, weight_version=str(version))
+        if mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_pipeline_model_parallel_rank() > 0:
+            _send_buckets(buckets, dst=stages[0])
+        else:
+            for _ in buckets:  # take part in the tensor-parallel gathers; the stage's source rank sends
                 pass
-            return {}
-        return self.sync.sync(buckets, weight_version=str(version))
+        return {}
 
     def close(self) -> None:
         if self.sync is not None:
             self.sync.close()
         if self.actor is not None:
             self.actor.close()
+
+
+def _comm_device():
+    import torch
+
+    from m2po_megatron import device
+
+    return device.device() if device.has_cuda() else torch.device("cpu")
+
+
+def _send_buckets(buckets, dst: int) -> None:
+    """Pipeline stage -> global rank 0: per bucket a header (names, shapes, dtypes) then the tensors;
+    an empty header ends the stream."""
+    import torch.distributed as dist
+
+    dev = _comm_device()
+    for bucket in buckets:
+        header = [[(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in bucket]]
+        dist.send_object_list(header, dst=dst, device=dev)
+        for _, t in bucket:
+            dist.send(t.contiguous().to(dev), dst=dst)
+    dist.send_object_list([[]], dst=dst, device=dev)
+
+
+def _recv_buckets(src: int):
+    import torch
+    import torch.distributed as dist
+
+    dev = _comm_device()
+    while True:
+        header = [None]
+        dist.recv_object_list(header, src=src, device=dev)
+        if not header[0]:
+            return
+        bucket = []
+        for name, shape, dtype in header[0]:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
+            dist.recv(t, src=src)
+            bucket.append((name, t))
+        yield bucket

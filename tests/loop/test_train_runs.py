@@ -77,14 +77,20 @@ def test_bounded_dp2_with_eval_and_checkpoint(tiny_task, tmp_path, small_eval):
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
-def test_on_policy_tp2(tiny_task, tmp_path):
+def test_on_policy_pp2(tiny_task, tmp_path):
     p = m2po("train", "tiny-cpu", *overrides(tiny_task, tmp_path, "onp", "staleness.mode=on_policy",
+                                             "parallel.tensor_model_parallel_size=1",
+                                             "parallel.pipeline_model_parallel_size=2",
                                              "train.steps=2", "algo.name=grpo"))
     ok(p)
     rows = steps(tmp_path / "onp")
     assert [r["staleness/max"] for r in rows] == [0, 0]  # every batch generated with the latest weights
     assert all(r["samples/pending"] == 0 for r in rows)
     assert all("weight_sync/seconds" in r for r in rows)
+    # Weights relayed from both pipeline stages reached the server: at step 2 the engine's log-probs
+    # (generated after the first sync) equal the trainer's at the same weights.
+    assert rows[1]["logprob_mismatch/ratio_max"] == pytest.approx(1.0, abs=1e-3)
+    assert rows[1]["logprob_mismatch/ratio_min"] == pytest.approx(1.0, abs=1e-3)
     assert_accounting(rows)
 
 
