@@ -105,6 +105,9 @@ class MegatronActor:
                                       "set virtual_pipeline_model_parallel_size=None")
         if optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer={optimizer!r}: use 'adam' (AdamW) or 'sgd'")
+        if optimizer == "sgd" and use_distributed_optimizer:
+            raise ValueError("megatron's distributed optimizer supports Adam only: with optimizer='sgd' set "
+                             "use_distributed_optimizer=False")
         if lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"lr_decay_style={lr_decay_style!r}: use one of {LR_DECAY_STYLES}")
         if lr_decay_style != "constant" and not lr_decay_steps:
@@ -119,6 +122,10 @@ class MegatronActor:
         if known is not None and loss_name not in known:
             raise ValueError(f"loss_name={loss_name!r}: use one of {sorted(known)}")
         cuda, te, cc = probe_machine()
+        if sequence_parallel and not (cuda and te):
+            raise ValueError("sequence_parallel=True needs the Transformer Engine layer spec (GPU): megatron-core's "
+                             "local spec uses torch norms, which refuse sequence parallelism; set "
+                             "sequence_parallel=False on CPU")
         self.precision = resolve_precision(precision, fp8, fp8_recipe, cuda=cuda, te_available=te,
                                            compute_capability=cc)
         from m2po_megatron.models.hf_config import read_hf_config
@@ -165,6 +172,11 @@ class MegatronActor:
         chunks = build_model_chunks(self.spec, self.config, use_te=self.use_te)
         # Row lengths must divide by TP for sequence parallelism.
         self.pad_multiple = self.tp_size if self.config.sequence_parallel else 1
+        # Pipeline stages exchange activations of a fixed shape: every micro-batch of a call is padded to
+        # the longest row (megatron's variable_seq_lengths shape exchange mismatched micro-batches over
+        # gloo in 0.19.2 here; fixed shapes also avoid one extra p2p per micro-batch).
+        if self.pp_size > 1:
+            self.config.variable_seq_lengths = False
         # Initial weights go into the bare chunks, before DDP / the optimizer copy them into their buffers.
         src = load_from
         if src is None and hf_model_dir is not None and _has_hf_weights(hf_model_dir):
@@ -291,6 +303,13 @@ class MegatronActor:
                   num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=1,
                   forward_only=forward_only)
 
+    def _plan(self, batch: TrainBatch, indices: list[int]) -> list[MicroBatch]:
+        mbs = plan_microbatches(batch, indices, self.micro_batch_tokens, self.pad_multiple)
+        if self.pp_size > 1:
+            s = max(m.seq_len for m in mbs)
+            mbs = [m.padded_to(s) for m in mbs]
+        return mbs
+
     def _token_logps(self, mb: MicroBatch, logits: torch.Tensor, with_entropy: bool):
         """Response-token log-probs [R] (with grad) and entropy [R] (no grad) from [1, S, V/tp] logits."""
         pos = mb.logprob_positions.to(logits.device)
@@ -324,7 +343,7 @@ class MegatronActor:
         the whole batch, summed over DP and broadcast from the last stage (zeros where another shard)."""
         out = torch.zeros(2, offs[-1], dtype=torch.float32)
         if shard:
-            mbs = plan_microbatches(batch, shard, self.micro_batch_tokens, self.pad_multiple)
+            mbs = self._plan(batch, shard)
 
             def loss_fn(mb, logits):
                 lp, ent = self._token_logps(mb, logits, with_entropy)
@@ -382,7 +401,7 @@ class MegatronActor:
         rl = mb_batch.response_lens
         global_tokens = sum(rl)
         global_seqs = len(mb_batch)
-        mbs = plan_microbatches(mb_batch, shard, self.micro_batch_tokens, self.pad_multiple)
+        mbs = self._plan(mb_batch, shard)
         n_local = len(mbs)
 
         keep_masks: dict[int, torch.Tensor] = {}
@@ -555,6 +574,7 @@ class MegatronActor:
             raise FileNotFoundError(f"{path!r} is not a Megatron dist checkpoint (no metadata.json)")
         common = dist_checkpointing.load_common_state_dict(path)
         same_layout = common.get("layout") == {"tp": self.tp_size, "pp": self.pp_size}
+        self._ensure_optimizer_state()
         sd = self._sharded_state_dict(is_loading=True)
         if not same_layout:
             sd.pop("rng_state")
@@ -567,6 +587,19 @@ class MegatronActor:
             torch.set_rng_state(loaded["rng_state"]["torch"])
             _set_rng_tracker_states(loaded["rng_state"]["tracker"])
 
+    def _ensure_optimizer_state(self) -> None:
+        """A fresh optimizer has no state tensors yet; the checkpoint loader needs them allocated (Megatron-LM
+        does the same before loading)."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            fn = getattr(opt, "init_state_fn", None)
+            inner = getattr(opt, "optimizer", None)
+            if fn is not None and inner is not None and len(inner.state) == 0:
+                fn(inner, getattr(opt, "config", None))
+                # megatron's init_state_fn omits torch Adam's 'step' (TE's Adam keeps it elsewhere), but its
+                # state_dict() reads it; the loaded value replaces this placeholder.
+                for st in inner.state.values():
+                    st.setdefault("step", _StepPlaceholder(0.0))
+
     def close(self) -> None:
         """Drop Megatron's parallel state (the process group stays, so another actor can be built)."""
         if self.ps.model_parallel_is_initialized():
@@ -574,6 +607,14 @@ class MegatronActor:
 
 
 # ---------------------------------------------------------------------- helpers
+class _StepPlaceholder(float):
+    """Adam's 'step' before loading: not a tensor (megatron copies every tensor state from the checkpoint,
+    where 'step' is stored apart), but with .item() for DistributedOptimizer.state_dict()."""
+
+    def item(self):
+        return float(self)
+
+
 def _acc(d: dict, k: str, v: float) -> None:
     d[k] = d.get(k, 0.0) + v
 

@@ -58,7 +58,7 @@ def run_multiprocess(
     base_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                 "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     base_env.update(env or {})
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, base_env, args, kwargs or {}, q), daemon=True)
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, base_env, args, kwargs or {}, q), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -103,6 +103,16 @@ class MicroBatch:
     def seq_len(self) -> int:
         return int(self.tokens.shape[1])
 
+    def padded_to(self, s: int) -> "MicroBatch":
+        """The same micro-batch with its row padded to length s (pipeline stages need equal shapes)."""
+        extra = s - self.seq_len
+        if extra <= 0:
+            return self
+        pad = lambda t, fill: torch.cat([t, torch.full((1, extra), fill, dtype=t.dtype)], 1)  # noqa: E731
+        pos = torch.cat([self.position_ids, torch.arange(extra).view(1, -1)], 1)
+        return MicroBatch(pad(self.tokens, 0), pos, pad(self.labels, 0), self.seq_index, self.offsets,
+                          self.lengths, self.prompt_lens, self.logprob_positions, self.num_padding + extra)
+
     def attention_mask(self) -> torch.Tensor:
         """[1, 1, S, S] bool, True = masked: causal inside each sequence, nothing across sequences."""
         s = self.seq_len

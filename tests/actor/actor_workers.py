@@ -105,7 +105,7 @@ def logprob_worker(names, shared_dir, layouts):
         ref_lp, ref_ent = hf_log_probs(hf, batch)
         for tp, pp in layouts:
             actor = MegatronActor(hf_config=cfg, load_from=hf, tensor_model_parallel_size=tp,
-                                  pipeline_model_parallel_size=pp, sequence_parallel=tp > 1,
+                                  pipeline_model_parallel_size=pp, sequence_parallel=False,
                                   micro_batch_tokens=40, loss_name="grpo")
             lp, ent = actor.compute_log_probs(batch)
             out[(name, tp, pp)] = (_maxdiff(lp, ref_lp), _maxdiff(ent, ref_ent), actor.dp_size)
@@ -113,36 +113,37 @@ def logprob_worker(names, shared_dir, layouts):
     return out
 
 
-def train_worker(name, shared_dir, layouts, ckpt_dir=None, load_dir=None, optimizer="adam", lr=1e-3,
-                 micro_batch_tokens=40, num_minibatches=1, n=8):
-    """One train_step (M2PO, global mask) per layout on the same data; returns HF-named weights after it and
-    the metrics. With ckpt_dir: save after the step, then run a second step and return its loss. With
-    load_dir: load that checkpoint first, then run the second step."""
+def train_worker(name, shared_dir, jobs):
+    """Run train jobs in order in this process group; each job is a dict:
+    tp, pp, optimizer ('sgd'|'adam'), micro_batch_tokens, num_minibatches, save (dir or None), load (dir or
+    None). A job without `load` runs train_step on batch A and returns metrics + HF-named weights; a job with
+    `save` or `load` then (after saving / after loading) runs train_step on batch B and returns its loss."""
     from m2po_megatron.actor.actor import MegatronActor
 
     cfg = tiny_config(name, shared_dir)
     hf = make_hf_model(cfg)
-    batch = make_batch(n=n, vocab=cfg["vocab_size"], ref_model=hf)
-    batch2 = make_batch(n=n, vocab=cfg["vocab_size"], ref_model=hf, seed=7)
-    out = {}
-    for tp, pp in layouts:
-        actor = MegatronActor(hf_config=cfg, load_from=hf, tensor_model_parallel_size=tp,
-                              pipeline_model_parallel_size=pp, sequence_parallel=tp > 1,
-                              micro_batch_tokens=micro_batch_tokens, optimizer=optimizer, lr=lr, weight_decay=0.0,
-                              clip_grad=0.0, loss_name="m2po", m2po_tau=0.02, m2po_scope="minibatch")
-        res = {}
-        if load_dir is not None:
-            actor.load(load_dir)
+    batch_a = make_batch(n=8, vocab=cfg["vocab_size"], ref_model=hf)
+    batch_b = make_batch(n=8, vocab=cfg["vocab_size"], ref_model=hf, seed=7)
+    results = []
+    for job in jobs:
+        opt = job.get("optimizer", "sgd")
+        actor = MegatronActor(hf_config=cfg, load_from=hf, tensor_model_parallel_size=job["tp"],
+                              pipeline_model_parallel_size=job["pp"], micro_batch_tokens=job.get("mbt", 40),
+                              optimizer=opt, lr=0.1 if opt == "sgd" else 1e-3, weight_decay=0.0,
+                              clip_grad=0.0, loss_name="m2po", m2po_tau=0.02, m2po_scope="minibatch",
+                              use_distributed_optimizer=job.get("distopt", opt == "adam"))
+        res = {"dp": actor.dp_size}
+        if job.get("load"):
+            actor.load(job["load"])
         else:
-            res["metrics"] = actor.train_step(batch, num_minibatches=num_minibatches)
+            res["metrics"] = actor.train_step(batch_a, num_minibatches=job.get("num_minibatches", 1))
             res["weights"] = actor.gather_hf_state_dict()
-        if ckpt_dir is not None:
-            actor.save(ckpt_dir)
-        if ckpt_dir is not None or load_dir is not None:
-            m2 = actor.train_step(batch2, num_minibatches=1)
-            res["loss2"] = m2["loss"]
-            res["weights2"] = actor.gather_hf_state_dict()
-        res["initial"] = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-        out[(tp, pp)] = res
+            init = hf.state_dict()
+            res["moved"] = max(float((v - init[k]).abs().max()) for k, v in res["weights"].items() if k in init)
+        if job.get("save"):
+            actor.save(job["save"])
+        if job.get("save") or job.get("load"):
+            res["loss_b"] = actor.train_step(batch_b, num_minibatches=1)["loss"]
+        results.append(res)
         actor.close()
-    return out
+    return results
