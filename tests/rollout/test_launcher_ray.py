@@ -27,9 +27,10 @@ def ray_local():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-async def _one(url):
-    async with RolloutClient([url]) as c:
-        return (await c.generate([3, 4, 5], {"max_new_tokens": 4, "ignore_eos": True}))[0]
+async def _one(url, with_stats=False):
+    async with RolloutClient([url], retry_backoff_s=0.1, wait_for_server_s=200) as c:
+        out = (await c.generate([3, 4, 5], {"max_new_tokens": 4, "ignore_eos": True}))[0]
+        return (out, c.stats) if with_stats else out
 
 
 def _wait(pred, what, timeout=180):
@@ -50,12 +51,11 @@ def test_ray_actor_serves_and_restarts_within_budget(ray_local, tiny_model_dir, 
         assert log.exists() and "fired up" in log.read_text()
 
         mgr.kill_server(0)
-        _wait(lambda: (i := mgr.info()[0])["restarts"] == 1 and i["alive"] and i["last_error"] is None,
-              "server was not restarted")
-        from m2po_megatron.rollout.launcher import wait_healthy
-
-        wait_healthy(url, timeout_s=120)
-        assert len(asyncio.run(_one(url)).output_ids) == 4  # same URL after the restart
+        # a request sent right after the crash fails, waits for the restarted server and is re-issued there
+        out, stats = asyncio.run(_one(url, with_stats=True))
+        assert len(out.output_ids) == 4 and stats.reissued >= 1 and stats.failed == 0
+        info = mgr.info()[0]
+        assert info["restarts"] == 1 and info["alive"] and info["last_error"] is None
 
         mgr.kill_server(0)  # the budget (1 restart) is spent: it stays down and says why
         _wait(lambda: "budget" in (mgr.info()[0]["last_error"] or ""), "restart budget not reported", 60)

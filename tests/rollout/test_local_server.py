@@ -147,6 +147,13 @@ def _perturbed_state(model, scale, seed):
     return [(n, p.detach() + scale * torch.randn(p.shape, generator=g)) for n, p in model.named_parameters()]
 
 
+def _load(model, named):
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for n, t in named:
+            params[n].copy_(t)
+
+
 def test_weight_sync_pause_then_in_flight(server, hf_model):
     sync = DistributedWeightSync([server.url], api_key=KEY, backend="gloo", mode="pause", timeout_s=120)
     sync.init_group()
@@ -171,7 +178,8 @@ def test_weight_sync_pause_then_in_flight(server, hf_model):
             fut = client.submit([9, 8, 7], {"max_new_tokens": 600, "ignore_eos": True}, n=1)
             _wait_running(server.url)
             time.sleep(0.3)
-            sync.sync(hf_buckets(_perturbed_state(hf_model, 0.05, seed=2)), weight_version=2)
+            v2 = _perturbed_state(hf_model, 0.05, seed=2)
+            sync.sync(hf_buckets(v2), weight_version=2)
             s = fut.result(180)[0]
         finally:
             client.close()
@@ -187,5 +195,28 @@ def test_weight_sync_pause_then_in_flight(server, hf_model):
                 p.copy_(v1_state[n])
         ref = hf_logprobs(hf_model, [9, 8, 7], s.output_ids[:cut])
         assert (ref - torch.tensor(s.output_logprobs[:cut])).abs().max() <= 1e-5
+
+        # 3) paused sync with retract while a sample decodes: after continue its KV is recomputed with the new
+        # weights, so every later token's log-prob equals a full forward at the new weights
+        _load(hf_model, v2)
+        sync.mode, sync.pause_mode = "pause", "retract"
+        client = SyncRolloutClient([server.url], api_key=KEY)
+        try:
+            fut = client.submit([4, 4, 2], {"max_new_tokens": 600, "ignore_eos": True}, n=1)
+            _wait_running(server.url)
+            time.sleep(0.3)
+            v3 = _perturbed_state(hf_model, 0.05, seed=3)
+            sync.sync(hf_buckets(v3), weight_version=3)
+            s = fut.result(180)[0]
+        finally:
+            client.close()
+        spans = s.meta_info["weight_versions"]
+        assert [sp["version"] for sp in spans] == ["2", "3"] and spans[-1]["end"] == len(s.output_ids) == 600
+        cut = spans[0]["end"]
+        ref_v2 = hf_logprobs(hf_model, [4, 4, 2], s.output_ids[:cut])
+        assert (ref_v2 - torch.tensor(s.output_logprobs[:cut])).abs().max() <= 1e-5
+        _load(hf_model, v3)
+        ref_v3 = hf_logprobs(hf_model, [4, 4, 2], s.output_ids)[cut:]
+        assert (ref_v3 - torch.tensor(s.output_logprobs[cut:])).abs().max() <= 1e-5
     finally:
         sync.close()
