@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -570,8 +571,10 @@ def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
 # Saving
 # ----------------------------------------------------------------------------------------------------
 def is_secret(key: str) -> bool:
-    k = key.lower()
-    return any(m in k for m in SECRET_MARKERS)
+    """Names of credentials (api_key, wandb_api_key, hf_token, secret, password), not metrics such as
+    `tokens_per_s/gen` or `staleness/token_mean`."""
+    leaf = re.split(r"[./]", key.lower())[-1]
+    return any(leaf == m or leaf.endswith("_" + m) for m in SECRET_MARKERS)
 
 
 def redact(obj: Any) -> Any:

@@ -9,11 +9,13 @@ from m2po_megatron.metrics import MetricsLogger, Progress, read_metrics
 
 def test_jsonl_rows_and_secret_keys_dropped(tmp_path):
     with MetricsLogger(tmp_path / "run", config={"rollout": {"api_key": "k"}}) as m:
-        m.log({"reward/mean": 0.5, "loss": float("nan"), "api_key": "oops"}, step=1)
+        m.log({"reward/mean": 0.5, "loss": float("nan"), "api_key": "oops", "hf_token": "x",
+               "tokens_per_s/gen": 3.0, "staleness/token_mean": 1.5}, step=1)
         m.log({"reward/mean": 0.75}, step=2)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["reward/mean"] == 0.5 and rows[0]["loss"] == "nan" and "api_key" not in rows[0]
+    assert "hf_token" not in rows[0] and rows[0]["tokens_per_s/gen"] == 3.0 and rows[0]["staleness/token_mean"] == 1.5
     # resume appends; a fresh logger truncates
     with MetricsLogger(tmp_path / "run", resume=True) as m:
         m.log({"x": 1}, step=3)
