@@ -2,7 +2,6 @@
 sync over gloo (pause mode and in flight). One server process serves the whole module (start ~10-40 s)."""
 import asyncio
 import json
-import threading
 import time
 
 import pytest
