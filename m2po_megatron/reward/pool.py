@@ -14,6 +14,7 @@ import selectors
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 
 from .math_verify_reward import CORRECT, ERROR, NO_ANSWER, WRONG
@@ -47,11 +48,13 @@ class _Worker:
         os.set_blocking(self.proc.stdout.fileno(), False)
         self.buf = b""
         self.ready = False
-        self.item: int | None = None  # index being scored
-        self.deadline = 0.0
+        self.inflight: deque[int] = deque()  # indices sent, in order; the head is being scored
+        self.deadline = 0.0  # for the head item
 
-    def send(self, idx: int, response: str, answer: str, format_score: float, deadline: float) -> None:
-        self.item, self.deadline = idx, deadline
+    def send(self, idx: int, response: str, answer: str, format_score: float, timeout_s: float) -> None:
+        if not self.inflight:
+            self.deadline = time.monotonic() + timeout_s
+        self.inflight.append(idx)
         self.proc.stdin.write((json.dumps([idx, response, answer, format_score]) + "\n").encode())
 
     def read_messages(self) -> list | None:
@@ -83,18 +86,20 @@ class _Worker:
 class RewardPool:
     """``RewardPool(num_workers, timeout_s, format_score)``; ``score(responses, answers) -> (scores, stats)``.
 
-    ``timeout_s`` bounds each item's scoring time (measured from when a ready worker receives it);
-    ``start_timeout_s`` bounds a worker's start-up (imports), after which scoring fails loudly.
+    ``timeout_s`` bounds each item's scoring time (from when its worker starts on it: the previous item's
+    answer); ``start_timeout_s`` bounds a worker's start-up (imports), after which scoring fails loudly.
+    ``prefetch`` items are queued per worker so it never waits for the parent between items.
     """
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, format_score: float = 0.0,
-                 start_timeout_s: float = 120.0) -> None:
+                 start_timeout_s: float = 120.0, prefetch: int = 4) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.num_workers, self.timeout_s, self.format_score = num_workers, float(timeout_s), float(format_score)
         self.start_timeout_s = start_timeout_s
+        self.prefetch = max(1, int(prefetch))
         self.total = RewardStats()  # over the pool's lifetime
         self._sel = selectors.DefaultSelector()
         self._workers: list[_Worker] = []
@@ -133,24 +138,32 @@ class RewardPool:
 
         while remaining:
             now = time.monotonic()
-            for w in list(self._workers):
-                if w.ready and w.item is None and pending:
-                    i = pending.pop()
-                    try:
-                        w.send(i, responses[i], answers[i], self.format_score, now + self.timeout_s)
-                    except (BrokenPipeError, OSError):  # died while idle: retry the item elsewhere
-                        pending.append(i)
-                        replace(w)
-            busy = [w for w in self._workers if w.item is not None]
+            # spread pending items round-robin so every worker gets work before any gets a deep queue
+            for depth in range(1, self.prefetch + 1):
+                for w in list(self._workers):
+                    if w.ready and len(w.inflight) < depth and pending:
+                        i = pending.pop()
+                        try:
+                            w.send(i, responses[i], answers[i], self.format_score, self.timeout_s)
+                        except (BrokenPipeError, OSError):  # it died: its items go back to the queue
+                            w.inflight.pop()
+                            pending.extend(reversed(w.inflight))
+                            w.inflight.clear()
+                            pending.append(i)
+                            replace(w)
+            busy = [w for w in self._workers if w.inflight]
             waits = [w.deadline - now for w in busy]
             waits += [w.started + self.start_timeout_s - now for w in self._workers if not w.ready]
             for key, _ in self._sel.select(timeout=max(0.0, min(waits)) if waits else 1.0):
                 w = key.data
                 msgs = w.read_messages()
-                if msgs is None:  # the worker died (e.g. out of memory): its item is an error
-                    if w.item is not None:
+                if msgs is None:  # the worker died (e.g. out of memory): its current item is an error
+                    if w.inflight:
+                        w.inflight.popleft()
                         stats.errors += 1
                         remaining -= 1
+                        pending.extend(reversed(w.inflight))  # the queued ones are retried elsewhere
+                        w.inflight.clear()
                     elif not w.ready:
                         raise RuntimeError("a reward worker exited during start-up; run "
                                            "`python -m m2po_megatron.reward.worker` to see why")
@@ -161,17 +174,21 @@ class RewardPool:
                         w.ready = True
                         continue
                     idx, s, status = m[0], m[1], m[2]
-                    if idx != w.item:
-                        continue  # a late answer for an item already written off
+                    if not w.inflight or idx != w.inflight[0]:
+                        continue  # not an item this worker owes (cannot happen with an ordered pipe)
+                    w.inflight.popleft()
+                    w.deadline = time.monotonic() + self.timeout_s  # the next queued item starts now
                     scores[idx] = float(s)
                     setattr(stats, counters[status], getattr(stats, counters[status]) + 1)
-                    w.item = None
                     remaining -= 1
             now = time.monotonic()
             for w in list(self._workers):
-                if w.item is not None and now >= w.deadline:
-                    stats.timeouts += 1  # scores[w.item] stays 0
+                if w.inflight and now >= w.deadline:
+                    w.inflight.popleft()  # its score stays 0
+                    stats.timeouts += 1
                     remaining -= 1
+                    pending.extend(reversed(w.inflight))  # queued items behind it are retried elsewhere
+                    w.inflight.clear()
                     replace(w)
                 elif not w.ready and now - w.started > self.start_timeout_s:
                     self.close()
