@@ -13,7 +13,10 @@ def register(subparsers) -> None:
         description="Starts local rollout servers on MODEL (or attaches to --server-url), samples n answers per "
                     "problem, scores them with math-verify, and writes RUN_DIR/eval/<step|eval>.{json,csv}.",
     )
-    p.add_argument("--model-path", required=True, help="HF checkpoint directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--model-path", required=True,
+                   help="HF checkpoint directory, or a Megatron dist checkpoint (converted to HF under OUT first)")
+    p.add_argument("--hf-config", help="for a Megatron checkpoint: the HF model directory with its config and "
+                                       "tokenizer (default: CKPT/hf, as written by `m2po convert hf-to-megatron`)")
     p.add_argument("--tokenizer", help="tokenizer directory or id (default: --model-path)")
     p.add_argument("--data-dir", required=True, help="prepared eval sets: <name>.jsonl files (`m2po prepare-data` OUT/eval)")
     p.add_argument("--eval-sets", help="comma-separated names (default: every set in --data-dir)")
@@ -52,26 +55,34 @@ def _parse_n(spec: str | None):
     return out
 
 
-def _check_model_dir(path: str) -> str | None:
+def _model_kind(path: str) -> tuple[str | None, str | None]:
+    """("hf" | "megatron", None) or (None, error message)."""
     from pathlib import Path
 
     p = Path(path)
     if (p / "config.json").is_file():
-        return None
-    megatron_markers = ("latest_checkpointed_iteration.txt", "metadata.json", ".metadata", "common.pt")
-    if p.is_dir() and (any((p / m).exists() for m in megatron_markers) or any(p.glob("iter_*"))):
-        import importlib.util
+        return "hf", None
+    if (p / "metadata.json").is_file():  # a Megatron dist checkpoint (torch_dist)
+        return "megatron", None
+    if p.is_dir() and ((p / "latest_checkpointed_iteration.txt").exists() or any(p.glob("iter_*"))):
+        return None, (f"{path} looks like a Megatron checkpoint root; pass the dist checkpoint directory itself "
+                      "(the one holding metadata.json), e.g. .../iter_0000100")
+    return None, f"--model-path {path}: neither an HF checkpoint (config.json) nor a Megatron dist checkpoint"
 
-        if importlib.util.find_spec("m2po_megatron.convert") is None:
-            return (f"{path} looks like a Megatron checkpoint; `m2po eval` needs an HF checkpoint and "
-                    "m2po_megatron.convert is not available to convert it: export HF weights first")
-        return (f"{path} looks like a Megatron checkpoint; convert it to HF with m2po_megatron.convert, then "
-                "pass the HF directory")
-    return f"--model-path {path}: no config.json there; give an HF checkpoint directory"
+
+def _to_hf(args) -> str:
+    """Convert a Megatron dist checkpoint to HF under the run directory (m2po_megatron.convert)."""
+    from pathlib import Path
+
+    from m2po_megatron.convert.checkpoint import megatron_to_hf
+
+    out = Path(args.out) / "eval_hf" / (f"step_{args.step:06d}" if args.step is not None else "model")
+    print(f"m2po eval: converting Megatron checkpoint {args.model_path} -> {out}", file=sys.stderr)
+    return megatron_to_hf(args.model_path, str(out), hf_config=args.hf_config, overwrite=True)
 
 
 def handler(args) -> int:
-    err = _check_model_dir(args.model_path)
+    kind, err = _model_kind(args.model_path)
     if err:
         print(f"m2po eval: {err}", file=sys.stderr)
         return 2
@@ -89,6 +100,13 @@ def handler(args) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"m2po eval: {e}", file=sys.stderr)
         return 2
+    if kind == "megatron":
+        try:
+            args.model_path = _to_hf(args)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"m2po eval: cannot convert {args.model_path}: {e}; give --hf-config (the HF model directory "
+                  "it was trained from)", file=sys.stderr)
+            return 2
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model_path)

@@ -92,11 +92,7 @@ def test_load_eval_sets_defaults(tmp_path):
         load_eval_sets(tmp_path, ["amc23"])
 
 
-@pytest.fixture(scope="module")
-def tiny_task(tmp_path_factory):
-    from m2po_megatron.data.tiny_model import build_tiny_task
-
-    return build_tiny_task(tmp_path_factory.mktemp("tiny"), seed=0, log=lambda s: None)
+# `tiny_task` (tests/conftest.py): the build_tiny_task output directory, built once per session with seed 0.
 
 
 @pytest.mark.timeout(900)
@@ -106,14 +102,14 @@ def test_tiny_task_starts_in_band(tiny_task):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    info = json.loads(open(tiny_task.info_json).read())
-    assert 0.10 <= info["eval_sampled_accuracy"] <= 0.40
-    train, ev = load_rows(tiny_task.train_jsonl), load_rows(tiny_task.eval_jsonl)
+    info = json.loads((tiny_task / "build_info.json").read_text())
+    assert info["seed"] == 0 and 0.10 <= info["eval_sampled_accuracy"] <= 0.40
+    train, ev = load_rows(tiny_task / "train.jsonl"), load_rows(tiny_task / "eval.jsonl")
     assert all(set(r) >= {"id", "prompt", "answer", "source"} for r in train + ev)
     assert not {r["problem"] for r in ev} & {r["problem"] for r in train}
     torch.set_num_threads(1)
-    tok = AutoTokenizer.from_pretrained(tiny_task.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_task.model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_task)
+    model = AutoModelForCausalLM.from_pretrained(tiny_task)
     gen = hf_generate_fn(model, tok.pad_token_id, tok.eos_token_id, seed=123)
     res = evaluate(gen, tok, [EvalSet("sums", ev, 4)], temperature=1.0, top_p=1.0, max_new_tokens=32)
     assert 0.10 <= res.benchmarks[0].pass_at_1 <= 0.40
@@ -124,8 +120,8 @@ def test_tiny_task_starts_in_band(tiny_task):
 def test_eval_command_through_rollout_server(tiny_task, tmp_path, capsys):
     data = tmp_path / "data"
     data.mkdir()
-    (data / "sums.jsonl").write_text(open(tiny_task.eval_jsonl).read())
-    rc = cli(["eval", "--model-path", tiny_task.model_dir, "--data-dir", str(data), "--out", str(tmp_path / "run"),
+    (data / "sums.jsonl").write_text((tiny_task / "eval.jsonl").read_text())
+    rc = cli(["eval", "--model-path", str(tiny_task), "--data-dir", str(data), "--out", str(tmp_path / "run"),
               "--n-samples", "2", "--limit", "16", "--top-p", "1.0", "--max-new-tokens", "32", "--step", "7",
               "--reward-workers", "1"])
     assert rc == 0
@@ -136,9 +132,29 @@ def test_eval_command_through_rollout_server(tiny_task, tmp_path, capsys):
     assert (tmp_path / "run/rollout/server_0.log").exists()
 
 
-def test_eval_command_refuses_megatron_checkpoint(tmp_path, capsys):
+def test_eval_command_refuses_megatron_checkpoint_root(tmp_path, capsys):
     ck = tmp_path / "ckpt"
     (ck / "iter_0000010").mkdir(parents=True)
     (ck / "latest_checkpointed_iteration.txt").write_text("10")
     rc = cli(["eval", "--model-path", str(ck), "--data-dir", str(tmp_path), "--out", str(tmp_path / "o")])
-    assert rc == 2 and "Megatron checkpoint" in capsys.readouterr().err
+    assert rc == 2 and "metadata.json" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(600)
+def test_eval_command_converts_megatron_checkpoint(tiny_task, tmp_path):
+    """A Megatron dist checkpoint (from m2po_megatron.convert) is converted to HF and evaluated; with greedy
+    decoding its table equals the HF checkpoint's."""
+    from m2po_megatron.convert.checkpoint import hf_to_megatron
+
+    ck = tmp_path / "mck"
+    hf_to_megatron(str(tiny_task), str(ck))
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "sums.jsonl").write_text((tiny_task / "eval.jsonl").read_text())
+    common = ["--data-dir", str(data), "--n-samples", "1", "--limit", "16", "--temperature", "0",
+              "--max-new-tokens", "32", "--engine", "hf", "--reward-workers", "1"]
+    assert cli(["eval", "--model-path", str(ck), "--out", str(tmp_path / "a"), "--hf-config", str(tiny_task), *common]) == 0
+    assert cli(["eval", "--model-path", str(tiny_task), "--out", str(tmp_path / "b"), *common]) == 0
+    a = json.loads((tmp_path / "a/eval/eval.json").read_text())["benchmarks"]
+    b = json.loads((tmp_path / "b/eval/eval.json").read_text())["benchmarks"]
+    assert a == b and (tmp_path / "a/eval_hf/model/config.json").exists()
