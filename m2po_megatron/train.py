@@ -80,7 +80,7 @@ def train(cfg: DictConfig) -> Path:
             synced = version if sync_stats else synced
             eval_now = bool(eval_rows) and cfg.eval.interval > 0 and step % cfg.eval.interval == 0
             if should_sync(cfg, generator) or (eval_now and synced != version):
-                sync_stats.update(push_weights(trainers, generator, version))
+                sync_stats.update(sync_or_recover(cfg, engines, trainers, urls, generator, version, restarts))
                 synced = version
             t_sync = time.perf_counter() - t2
 
@@ -253,23 +253,51 @@ def server_restarts(engines) -> list[int]:
     return [] if engines is None else [i["restarts"] for i in engines.info()]
 
 
+def wait_servers(cfg: DictConfig, engines, urls: list[str]) -> None:
+    """Block until every server answers /health_generate; a server whose restart budget is spent ends
+    the run with its URL and log."""
+    from m2po_megatron.rollout.launcher import wait_healthy
+
+    for info in engines.info():
+        if info.get("last_error"):
+            raise RuntimeError(f"rollout server {info['url']} is down and was not restarted: "
+                               f"{info['last_error']} (rollout.max_restarts = {cfg.rollout.max_restarts}); "
+                               f"log: {info['log']}")
+    for url in urls:
+        wait_healthy(url, api_key=secret(cfg.rollout.api_key, "M2PO_API_KEY"), timeout_s=cfg.rollout.health_timeout_s)
+
+
 def resync_restarted_servers(cfg, engines, trainers, urls, generator, version, seen: list[int]) -> dict:
-    """A restarted server lost the weight-sync group and holds the base weights: form a new group with
-    every server and push the current weights. Its requests in flight were re-issued by the client;
-    groups it answered with old weights are dropped (counted) by the generator."""
+    """A restarted server lost the weight-sync group and holds the base weights: once every server is
+    healthy, form a new group with all of them and push the current weights. Its requests in flight were
+    re-issued by the client; groups it answered with old weights are dropped (counted) by the generator."""
     now = server_restarts(engines)
     if now == seen:
         return {}
-    dead = [i["url"] for i in engines.info() if not i["alive"]]
-    if dead:
-        raise RuntimeError(f"rollout server(s) {dead} died and could not be restarted within "
-                           f"rollout.max_restarts = {cfg.rollout.max_restarts}; see {engines.log_path(0)}")
+    wait_servers(cfg, engines, urls)
     init_weight_sync(cfg, trainers, urls, generation=sum(now))
     stats = push_weights(trainers, generator, version)
-    seen[:] = now
-    print(f"[m2po] rollout server restart detected (restarts {now}); weights re-synced at version {version}",
+    seen[:] = server_restarts(engines)
+    print(f"[m2po] rollout server restart detected (restarts {seen}); weights re-synced at version {version}",
           flush=True)
-    return {"rollout/server_restarts": sum(now), **stats}
+    return {"rollout/server_restarts": sum(seen), **stats}
+
+
+def sync_or_recover(cfg, engines, trainers, urls, generator, version, seen: list[int]) -> dict:
+    """Push weights; if a server died during the push, wait for its restart and re-sync everyone."""
+    import ray
+
+    try:
+        return push_weights(trainers, generator, version)
+    except ray.exceptions.RayTaskError:
+        if engines is None:
+            raise
+        deadline = time.monotonic() + cfg.rollout.health_timeout_s
+        while server_restarts(engines) == seen and time.monotonic() < deadline:
+            time.sleep(1.0)  # the watchdog notices the death within a second
+        if server_restarts(engines) == seen:
+            raise
+        return resync_restarted_servers(cfg, engines, trainers, urls, generator, version, seen)
 
 
 def make_reward_pool(cfg: DictConfig):

@@ -79,7 +79,12 @@ class TrainerWorker(RankActorBase):
         stages = dist.get_process_group_ranks(mpu.get_pipeline_model_parallel_group())
         if self.sync is not None:  # global rank 0: first stage's buckets, then each later stage's
             stream = itertools.chain(buckets, *(_recv_buckets(src) for src in stages[1:]))
-            return self.sync.sync(stream, weight_version=str(version))
+            try:
+                return self.sync.sync(stream, weight_version=str(version))
+            except BaseException:
+                for _ in stream:  # let the peers finish their gathers and sends, then report
+                    pass
+                raise
         if mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_pipeline_model_parallel_rank() > 0:
             _send_buckets(buckets, dst=stages[0])
         else:

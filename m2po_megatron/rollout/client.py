@@ -118,6 +118,13 @@ class RolloutClient:
         return aiohttp.ClientTimeout(total=total or self.request_timeout_s, sock_connect=self.connect_timeout_s)
 
     async def close(self) -> None:
+        # Requests still in flight (a run ending mid-generation) are cancelled first, so none of them
+        # fails later against a closed session.
+        me = asyncio.current_task()
+        pending = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
             self._session = None
