@@ -13,14 +13,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from m2po_megatron.net import free_port
+
 TRAINER_RESOURCE = "trainer"
 ROLLOUT_RESOURCE = "rollout"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def node_ip() -> str:

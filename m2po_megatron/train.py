@@ -358,7 +358,6 @@ def train_on(cfg: DictConfig, trainers, batch, ckpts) -> dict:
         raise RuntimeError(f"a trainer rank died during the train step ({e.__class__.__name__}); the run stops. "
                            + (f"Resume from {latest} with `--resume auto`." if latest else
                               "No checkpoint was written yet; start again.")) from e
-    out.pop("per_update", None)  # per-update details stay out of the step's metrics row
     return out
 
 

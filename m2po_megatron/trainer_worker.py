@@ -60,7 +60,10 @@ class TrainerWorker(RankActorBase):
         from m2po_megatron.rollout.weight_sync import DistributedWeightSync
 
         if self.sync is not None:  # re-forming the group (a server restarted): drop the old one first
-            self.sync.close()
+            try:
+                self.sync.close()
+            except RuntimeError as e:  # a restarted server never knew the old group; ours is gone anyway
+                print(f"[m2po] closing the previous weight-sync group: {e}", flush=True)
         self.sync = DistributedWeightSync(urls, master_address=node_ip(), master_port=group_port,
                                           ranks_per_server=ranks_per_server, mode=update_mode, api_key=api_key,
                                           group_name=group_name)

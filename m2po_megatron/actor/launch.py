@@ -12,16 +12,11 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable, Optional
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from m2po_megatron.net import free_port
 
 
 def _child(fn, rank, world_size, env, args, kwargs, q):

@@ -8,6 +8,7 @@ import datetime
 import os
 
 from m2po_megatron.device import dist_backend, has_cuda
+from m2po_megatron.net import free_port
 
 
 def check_parallel_sizes(world_size: int, tensor_model_parallel_size: int = 1,
@@ -61,7 +62,7 @@ def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_paralle
         if world_size > 1 and "MASTER_PORT" not in os.environ:
             raise ValueError("MASTER_PORT is not set; set MASTER_ADDR/MASTER_PORT (torchrun does) for WORLD_SIZE > 1")
         if world_size == 1:
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group(backend=dist_backend(), rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     elif dist.get_world_size() != world_size:
@@ -99,9 +100,3 @@ def destroy_distributed() -> None:
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -17,6 +17,7 @@ import shutil
 import time
 import torch
 
+from m2po_megatron.net import free_port
 from m2po_megatron.models.hf_checkpoint import CheckpointMismatchError, open_hf_source, validate_hf_source
 from m2po_megatron.models.hf_config import HFModelSpec, read_hf_config
 from m2po_megatron.models.weights import expected_hf_names, expected_hf_shapes, hf_names, rule_for
@@ -88,7 +89,7 @@ def _single_process_megatron():
     owned = not dist.is_initialized()
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
     if owned:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_PORT=str(parallel._free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_PORT=str(free_port()))
     try:
         parallel.init_distributed()
         yield
@@ -158,9 +159,8 @@ def hf_to_megatron(hf_dir: str, out_dir: str, *, tensor_model_parallel_size: int
         else:
             import torch.multiprocessing as mp
 
-            from m2po_megatron.actor.parallel import _free_port
 
-            mp.start_processes(_spawned_rank, args=(tp * pp, _free_port(), tp, pp, os.path.abspath(hf_dir), tmp,
+            mp.start_processes(_spawned_rank, args=(tp * pp, free_port(), tp, pp, os.path.abspath(hf_dir), tmp,
                                                     dtype), nprocs=tp * pp, start_method="spawn")
         _copy_side_files(hf_dir, os.path.join(tmp, "hf"))
         with open(os.path.join(tmp, CONVERT_META), "w") as f:

@@ -27,6 +27,7 @@ import time
 from typing import Sequence
 
 from m2po_megatron.rollout import _http
+from m2po_megatron.net import free_port
 
 
 class ServerStartError(RuntimeError):
@@ -60,12 +61,6 @@ LOCAL_FLAGS = {"model_path", "host", "port", "api_key", "skip_tokenizer_init", "
                "mem_fraction_static", "quantization", "trust_remote_code", "served_model_name"}
 _FIELD_FLAGS = ["tp_size", "dp_size", "mem_fraction_static", "context_length", "dtype", "quantization",
                 "random_seed", "max_running_requests", "weight_version"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def build_command(spec: ServerSpec, python: str = sys.executable) -> list[str]:

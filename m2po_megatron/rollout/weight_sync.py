@@ -11,19 +11,13 @@ so the trainer's default (Megatron) process group is untouched."""
 from __future__ import annotations
 
 import concurrent.futures
-import socket
 import time
 from typing import Iterable, Sequence
 
 import torch
 
 from m2po_megatron.rollout import _http
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from m2po_megatron.net import free_port
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -106,7 +100,7 @@ class DistributedWeightSync:
 
         if self.pg is not None:
             raise RuntimeError("the weight-sync group already exists; call close() first")
-        port = self.master_port or _free_port(self.master_address)
+        port = self.master_port or free_port(self.master_address)
         offsets = [1 + sum(self.ranks[:i]) for i in range(len(self.urls))]
         futs = self._post_all("/init_weights_update_group", lambda i: init_group_body(
             self.master_address, port, offsets[i], self.world_size, self.group_name, self.backend))
