@@ -7,12 +7,10 @@ model, plus GB/s of model bytes. Usage: python benchmarks/bench_convert.py [CONF
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 CHILD = r"""
 import os, resource, sys, time, json

@@ -9,7 +9,6 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Optional
 
 from omegaconf import DictConfig
 

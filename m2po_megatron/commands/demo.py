@@ -43,6 +43,6 @@ def run(args) -> int:
     rows = [r for r in read_metrics(rdir / "metrics.jsonl") if "eval/avg/pass@1" in r]
     if rows:
         print(f"[demo] held-out accuracy (avg@{cfg.eval.n_samples}): step {rows[0]['step']}: "
-              f"{rows[0]["eval/avg/pass@1"]:.1f}% -> step {rows[-1]['step']}: {rows[-1]["eval/avg/pass@1"]:.1f}%")
+              f"{rows[0]['eval/avg/pass@1']:.1f}% -> step {rows[-1]['step']}: {rows[-1]['eval/avg/pass@1']:.1f}%")
     print(f"[demo] run directory {rdir}: config.yaml, metrics.jsonl, checkpoints/, {png.name}")
     return 0

@@ -27,8 +27,8 @@ def test_defaults_are_the_papers():
 
 
 def test_inheritance_chain_and_overrides(tmp_path):
-    base = write(tmp_path / "base.yaml", {"algo": {"name": "grpo", "m2po": {"tau": 0.1}}, "train": {"steps": 7}})
-    mid = write(tmp_path / "mid.yaml", {"extends": "base.yaml", "train": {"steps": 9}})
+    write(tmp_path / "base.yaml", {"algo": {"name": "grpo", "m2po": {"tau": 0.1}}, "train": {"steps": 7}})
+    write(tmp_path / "mid.yaml", {"extends": "base.yaml", "train": {"steps": 9}})
     child = write(tmp_path / "child.yaml", {"extends": "mid", "algo": {"name": "m2po"}})
     cfg = load_config(child, ["algo.m2po.tau=0.02", "rollout.urls=[http://a:1,http://b:2]"])
     assert cfg.algo.name == "m2po"          # child wins over base
