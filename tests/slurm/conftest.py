@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +33,8 @@ def slurm_cluster(tmp_path_factory):
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    base = Path(os.environ.get("M2PO_TEST_SLURM_DIR") or tmp_path_factory.mktemp("slurm"))
+    # not under pytest's basetemp: other pytest sessions on the machine prune old basetemps mid-run
+    base = Path(os.environ.get("M2PO_TEST_SLURM_DIR") or tempfile.mkdtemp(prefix="m2po-slurm-"))
     env = dict(os.environ)
     env.update(SLURM_LOCAL_DIR=str(base), SLURM_LOCAL_NODES="2", SLURM_LOCAL_CPUS="4",
                SLURM_LOCAL_MEM_MB="8000", SLURM_LOCAL_TIMEOUT="60",
@@ -56,8 +58,11 @@ def slurm_cluster(tmp_path_factory):
     env["M2PO_RAY_OBJECT_STORE_BYTES"] = str(100 * 1024**2)
     env["M2PO_STOP_TIMEOUT"] = "20"
     env["M2PO_RAY_START_TIMEOUT"] = "300"
+    env["M2PO_TEST_JOBS_DIR"] = str(base / "jobs")
     yield env
     subprocess.run([str(TOOL / "stop-local-slurm.sh")], env=env, capture_output=True, timeout=180)
+    if not os.environ.get("M2PO_TEST_SLURM_DIR"):
+        shutil.rmtree(base, ignore_errors=True)
 
 
 class Slurm:
@@ -115,3 +120,12 @@ def slurm(slurm_cluster):
     s.run("scancel", "--full", "-u", "root", check=False)
     s.wait_for(s.nodes_idle, 90, "both nodes idle")
     return s
+
+
+@pytest.fixture
+def jobdir(slurm_cluster) -> Path:
+    """A fresh directory for one test's runs, inside the cluster's own base dir (kept until the session
+    ends; pytest's tmp_path can be pruned by another pytest session while a job still writes to it)."""
+    root = Path(slurm_cluster["M2PO_TEST_JOBS_DIR"])
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=root))

@@ -31,10 +31,10 @@ def _states(run_dir: Path) -> list[str]:
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 120)
-def test_disaggregated_job_places_trainer_and_rollout_on_separate_nodes(slurm, tmp_path):
-    run_dir = tmp_path / "two-node"
-    job = slurm.sbatch("-N2", f"--output={tmp_path}/slurm-%j.out", str(REPO / "slurm/m2po.sbatch"), RECIPE,
-                       f"run.output_dir={tmp_path}", env={"M2PO_DRIVER_CMD": PLACEMENT})
+def test_disaggregated_job_places_trainer_and_rollout_on_separate_nodes(slurm, jobdir):
+    run_dir = jobdir / "two-node"
+    job = slurm.sbatch("-N2", f"--output={jobdir}/slurm-%j.out", str(REPO / "slurm/m2po.sbatch"), RECIPE,
+                       f"run.output_dir={jobdir}", env={"M2PO_DRIVER_CMD": PLACEMENT})
     slurm.wait_gone(job, JOB_TIMEOUT)
     driver = _read(run_dir / "logs" / "driver.log")
     joblog = _read(run_dir / "logs" / "job.log")
@@ -49,11 +49,11 @@ def test_disaggregated_job_places_trainer_and_rollout_on_separate_nodes(slurm, t
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 120)
-def test_a_dead_ray_node_ends_the_job_nonzero_and_frees_the_nodes(slurm, tmp_path):
-    run_dir = tmp_path / "two-node"
+def test_a_dead_ray_node_ends_the_job_nonzero_and_frees_the_nodes(slurm, jobdir):
+    run_dir = jobdir / "two-node"
     hold = "echo driver-up; exec sleep 600"
-    job = slurm.sbatch("-N2", f"--output={tmp_path}/slurm-%j.out", str(REPO / "slurm/m2po.sbatch"), RECIPE,
-                       f"run.output_dir={tmp_path}", env={"M2PO_DRIVER_CMD": hold})
+    job = slurm.sbatch("-N2", f"--output={jobdir}/slurm-%j.out", str(REPO / "slurm/m2po.sbatch"), RECIPE,
+                       f"run.output_dir={jobdir}", env={"M2PO_DRIVER_CMD": hold})
     slurm.wait_for(lambda: "driver-up" in _read(run_dir / "logs" / "driver.log"), JOB_TIMEOUT,
                    "the driver to start", job)
     # the raylet of this job's worker node n2: its command line names the job's node-local temp dir
@@ -78,15 +78,15 @@ def test_a_dead_ray_node_ends_the_job_nonzero_and_frees_the_nodes(slurm, tmp_pat
 
 
 @pytest.mark.timeout(2 * JOB_TIMEOUT + 120)
-def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path):
-    run_dir = tmp_path / "two-node"
+def test_usr1_checkpoints_requeues_and_resumes(slurm, jobdir):
+    run_dir = jobdir / "two-node"
     driver = (
         'if [ -f "$M2PO_RUN_DIR/ckpt" ]; then echo "resumed from $(cat $M2PO_RUN_DIR/ckpt)"; exit 0; fi; '
         'trap \'echo step-7 > "$M2PO_RUN_DIR/ckpt"; echo checkpointed; exit 0\' USR1; '
         'echo waiting; while :; do sleep 1; done'
     )
-    job = slurm.sbatch("-N2", f"--output={tmp_path}/slurm-%j.out", str(REPO / "slurm/m2po.sbatch"), RECIPE,
-                       f"run.output_dir={tmp_path}", env={"M2PO_DRIVER_CMD": driver})
+    job = slurm.sbatch("-N2", f"--output={jobdir}/slurm-%j.out", str(REPO / "slurm/m2po.sbatch"), RECIPE,
+                       f"run.output_dir={jobdir}", env={"M2PO_DRIVER_CMD": driver})
     log = run_dir / "logs" / "driver.log"
     slurm.wait_for(lambda: "waiting" in _read(log), JOB_TIMEOUT, "the driver to start", job)
     slurm.run("scancel", "-b", "-s", "USR1", job)  # what --signal=B:USR1@N does near the time limit
@@ -99,11 +99,11 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path):
 
 
 @pytest.mark.timeout(2 * JOB_TIMEOUT + 120)
-def test_sweep_array_completes_and_status_reports_it(slurm, tmp_path):
-    sweep = tmp_path / "tiny.yaml"
+def test_sweep_array_completes_and_status_reports_it(slurm, jobdir):
+    sweep = jobdir / "tiny.yaml"
     sweep.write_text(f"""
 name: tiny
-output_dir: {tmp_path}/sweep
+output_dir: {jobdir}/sweep
 overrides: [cluster.rollout_nodes=0]
 grid:
   model:
@@ -121,7 +121,7 @@ slurm:
     res = subprocess.run([*cli, str(sweep)], env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "--array=0-1%2" in res.stdout
-    manifest = json.loads((tmp_path / "sweep" / "sweep-manifest.json").read_text())
+    manifest = json.loads((jobdir / "sweep" / "sweep-manifest.json").read_text())
     array_id = manifest["submissions"][0]["job_id"]
     assert [r["jobs"] for r in manifest["runs"]] == [[f"{array_id}_0"], [f"{array_id}_1"]]
     slurm.wait_gone(array_id, 2 * JOB_TIMEOUT)
@@ -141,7 +141,7 @@ slurm:
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 300)
-def test_tiny_cpu_recipe_trains_end_to_end_across_two_nodes(slurm, tmp_path):
+def test_tiny_cpu_recipe_trains_end_to_end_across_two_nodes(slurm, jobdir):
     """The real `m2po train recipes/tiny-cpu.yaml train.steps=2` through the job script: trainer on n1,
     rollout server on n2 (from the `[placement] role=... node=...` lines the training loop logs)."""
     from m2po_megatron.cli import build_parser
@@ -155,10 +155,10 @@ def test_tiny_cpu_recipe_trains_end_to_end_across_two_nodes(slurm, tmp_path):
     hf_path = REPO / load_config(REPO / "recipes" / "tiny-cpu.yaml", check_files=False).model.hf_path
     if not hf_path.exists():
         pytest.skip(f"the tiny model {hf_path} is not built (m2po demo builds it)")
-    run_dir = tmp_path / "tiny-e2e"
-    job = slurm.sbatch("-N2", f"--output={tmp_path}/slurm-%j.out", str(REPO / "slurm/m2po.sbatch"),
+    run_dir = jobdir / "tiny-e2e"
+    job = slurm.sbatch("-N2", f"--output={jobdir}/slurm-%j.out", str(REPO / "slurm/m2po.sbatch"),
                        "recipes/tiny-cpu.yaml", "train.steps=2", "cluster.trainer_nodes=1",
-                       "cluster.rollout_nodes=1", "rollout.host=null", f"run.output_dir={tmp_path}", "run.name=tiny-e2e",
+                       "cluster.rollout_nodes=1", "rollout.host=null", f"run.output_dir={jobdir}", "run.name=tiny-e2e",
                        env={"M2PO_DRIVER_CMD": ""})
     slurm.wait_gone(job, JOB_TIMEOUT + 240)
     logs = "".join(_read(p) for p in sorted((run_dir / "logs").glob("*.log")))
