@@ -411,19 +411,33 @@ def _get(cfg: DictConfig, path: str) -> Any:
     return OmegaConf.select(cfg, path)
 
 
-def read_hf_config(cfg: DictConfig) -> Optional[dict]:
-    """The model's HF config.json as a dict (from model.hf_config or model.hf_path), or None."""
+def resolve_path(ref: str) -> Path:
+    """A user path: as given (absolute or relative to the working directory), else relative to the
+    repository root (recipes name bundled files such as m2po_megatron/assets/configs/... that way)."""
+    p = Path(os.path.expandvars(os.path.expanduser(ref)))
+    if p.is_absolute() or p.exists():
+        return p
+    in_repo = RECIPES_DIR.parent / p
+    return in_repo if in_repo.exists() else p
+
+
+def read_hf_config(cfg: DictConfig, check_files: bool = False) -> Optional[dict]:
+    """The model's HF config.json as a dict (from model.hf_config or model.hf_path), or None. With
+    check_files, a model.hf_config that is set but missing is an error."""
     for key in ("model.hf_config", "model.hf_path"):
         ref = _get(cfg, key)
         if not ref:
             continue
-        p = Path(os.path.expandvars(os.path.expanduser(ref)))
+        p = resolve_path(ref)
         p = p / "config.json" if p.is_dir() or not p.suffix else p
         if p.is_file():
             try:
                 return json.loads(p.read_text())
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{key}: {p} is not valid JSON ({e})") from None
+        if key == "model.hf_config" and check_files:
+            raise ConfigError(f"model.hf_config = {ref!r}: no config.json there; give an HF model dir or "
+                              f"config.json path")
     return None
 
 
@@ -527,7 +541,11 @@ def _check_batches(cfg: DictConfig, errors: list[str]) -> None:
 def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
     if check_files and cfg.model.hf_path and not Path(os.path.expanduser(cfg.model.hf_path)).exists():
         errors.append(f"model.hf_path = {cfg.model.hf_path!r} does not exist; give an HF checkpoint dir")
-    hf = read_hf_config(cfg)
+    try:
+        hf = read_hf_config(cfg, check_files)
+    except ConfigError as e:
+        errors.append(str(e))
+        return
     if hf is None:
         return
     p = cfg.parallel

@@ -132,3 +132,14 @@ def test_cli_config_command(tmp_path):
     p = subprocess.run([sys.executable, "-m", "m2po_megatron.cli", "--help"], capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0 and "config" in p.stdout
+
+
+def test_missing_hf_config_and_repo_relative_paths(tmp_path, monkeypatch):
+    assert "model.hf_config" in err(tmp_path, ["model.hf_config=/no/such/dir"])
+    monkeypatch.chdir(tmp_path)  # bundled configs resolve against the repository root from anywhere
+    ok = load_config(None, ["model.hf_config=m2po_megatron/assets/configs/Qwen__Qwen3-8B-Base",
+                            "parallel.tensor_model_parallel_size=4"])
+    assert ok.parallel.tensor_model_parallel_size == 4
+    msg = err(tmp_path, ["model.hf_config=m2po_megatron/assets/configs/Qwen__Qwen3-8B-Base",
+                         "parallel.tensor_model_parallel_size=3"])
+    assert "num_attention_heads = 32" in msg
