@@ -184,11 +184,26 @@ def start_rollout_engines(cfg: DictConfig, rdir: Path):
                         dtype=r.dtype, quantization=r.quantization, api_key=api_key,
                         random_seed=cfg.run.seed + i, weight_version="0")
              for i in range(r.num_servers)]
+    pinned = [nodes[i % len(nodes)] for i in range(r.num_servers)]
     mgr = EngineManager(specs, run_dir=str(rdir), use_ray=True, max_restarts=r.max_restarts,
-                        health_timeout_s=r.health_timeout_s,
-                        node_ids=[nodes[i % len(nodes)] for i in range(r.num_servers)],
+                        health_timeout_s=r.health_timeout_s, node_ids=pinned,
                         num_cpus_per_server=0, env={"OMP_NUM_THREADS": "1"})
-    return mgr, mgr.start()
+    urls = mgr.start()
+    by_id = {n["NodeID"]: n for n in ray.nodes()}
+    placed = [{"server": i, "node": by_id[nid]["NodeManagerHostname"], "ip": by_id[nid]["NodeManagerAddress"],
+               "url": url} for i, (nid, url) in enumerate(zip(pinned, urls))]
+    record_placement(rdir, "rollout", placed)
+    return mgr, urls
+
+
+def record_placement(rdir: Path, role: str, entries: list[dict]) -> None:
+    """One `[placement]` line per rank/server (the Slurm tests read them) and RUN_DIR/placement.json."""
+    for e in entries:
+        print(f"[placement] role={role} " + " ".join(f"{k}={v}" for k, v in e.items()), flush=True)
+    path = rdir / "placement.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[role] = entries
+    path.write_text(json.dumps(data, indent=1))
 
 
 def make_client(cfg: DictConfig, urls: list[str]):
@@ -237,7 +252,8 @@ def start_trainers(cfg: DictConfig, world: int, rdir: Path):
     group = RankGroup(TrainerWorker, world, gpus_per_rank=gpus,
                       env={"OMP_NUM_THREADS": 1, "M2PO_TRAINER_THREADS": 1})
     nodes = group.call("setup", actor_kwargs(cfg), timeout=1800)
-    (rdir / "placement.json").write_text(json.dumps({"trainer": nodes}, indent=1))
+    record_placement(rdir, "trainer", [{"rank": n["rank"], "node": n["hostname"], "ip": n["ip"], "pid": n["pid"]}
+                                       for n in nodes])
     return group
 
 

@@ -141,23 +141,14 @@ slurm:
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 300)
-def test_tiny_cpu_recipe_trains_end_to_end_across_two_nodes(slurm, jobdir):
+def test_tiny_cpu_recipe_trains_end_to_end_across_two_nodes(slurm, jobdir, tiny_task):
     """The real `m2po train recipes/tiny-cpu.yaml train.steps=2` through the job script: trainer on n1,
     rollout server on n2 (from the `[placement] role=... node=...` lines the training loop logs)."""
-    from m2po_megatron.cli import build_parser
-
-    if "train" not in build_parser()._subparsers._group_actions[0].choices:  # noqa: SLF001
-        pytest.skip("`m2po train` is not available yet")
-    if not (REPO / "recipes" / "tiny-cpu.yaml").exists():
-        pytest.skip("recipes/tiny-cpu.yaml is not available yet")
-    from m2po_megatron.config import load_config
-
-    hf_path = REPO / load_config(REPO / "recipes" / "tiny-cpu.yaml", check_files=False).model.hf_path
-    if not hf_path.exists():
-        pytest.skip(f"the tiny model {hf_path} is not built (m2po demo builds it)")
     run_dir = jobdir / "tiny-e2e"
     job = slurm.sbatch("-N2", f"--output={jobdir}/slurm-%j.out", str(REPO / "slurm/m2po.sbatch"),
                        "recipes/tiny-cpu.yaml", "train.steps=2", "cluster.trainer_nodes=1",
+                       f"model.hf_path={tiny_task}", f"data.train_path={tiny_task / 'train.jsonl'}",
+                       "data.eval_paths=[]", "train.prompts_per_step=8", "rollout.n_samples_per_prompt=4",
                        "cluster.rollout_nodes=1", "rollout.host=null", f"run.output_dir={jobdir}", "run.name=tiny-e2e",
                        env={"M2PO_DRIVER_CMD": ""})
     slurm.wait_gone(job, JOB_TIMEOUT + 240)
