@@ -487,13 +487,12 @@ def evaluate(cfg: DictConfig, client, tokenizer, eval_sets: list, rdir: Path, st
 def save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator) -> Path:
     from m2po_megatron.run_state import capture_rng_state, save_run_state
 
+    with generator.lock:  # one consistent cut of the ledger and what the generator holds
+        state = {"step": step, "version": version, "prompts": prompts.state_dict(),
+                 "ledger": ledger.state_dict(), "generator": generator.state_dict(), "rng": capture_rng_state()}
     tmp = ckpts.begin(step)
     trainers.call("save", str(tmp / "megatron"), timeout=1800)
-    save_run_state(tmp / "run_state.json", {
-        "step": step, "version": version, "prompts": prompts.state_dict(), "ledger": ledger.state_dict(),
-        "generator": generator.state_dict(),
-        "rng": capture_rng_state(),
-    })
+    save_run_state(tmp / "run_state.json", state)
     return ckpts.commit(step)
 
 
