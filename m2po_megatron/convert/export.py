@@ -63,15 +63,6 @@ def iter_hf_weight_buckets(model_chunks: Any, hf_config: Any, bucket_mb: float =
     every TP rank of data-parallel replica 0 must exhaust the iterator (it all-gathers)."""
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-    limit = int(bucket_mb * 1024 * 1024)
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in iter_hf_tensors(model_chunks, hf_config, dtype):
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
+    from m2po_megatron.rollout.weight_sync import hf_buckets
+
+    yield from hf_buckets(iter_hf_tensors(model_chunks, hf_config, dtype), int(bucket_mb * 1024 * 1024))
