@@ -8,6 +8,8 @@ speed-up is t_step(on_policy) / t_step(bounded); the script reports achieved / i
     .venv/bin/python benchmarks/bench_staleness.py --steps 6 [--task-dir .cache/tiny-task] [--out FILE]
 
 Warm-up steps (the first `--skip`) are left out of the means: they include start-up and compile effects.
+One optimizer update per step, so max_staleness 1 allows one step of overlap (with U updates per step a
+window below U cannot overlap anything: a group would have to be trained by the step already running).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 def run(task: Path, out: Path, name: str, steps: int, extra: list[str]) -> list[dict]:
     args = [f"model.hf_path={task}", f"data.train_path={task / 'train.jsonl'}", "data.eval_paths=[]",
             f"run.output_dir={out}", f"run.name={name}", f"train.steps={steps}", "checkpoint.interval=0",
-            "eval.interval=0", *extra]
+            "eval.interval=0", "train.updates_per_step=1", *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_AUTH_MODE="disabled", WANDB_MODE="disabled")
     p = subprocess.run([sys.executable, "-m", "m2po_megatron.cli", "train", "tiny-cpu", *args], env=env,
                        capture_output=True, text=True, cwd=REPO)
