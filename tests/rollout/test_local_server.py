@@ -120,9 +120,8 @@ def test_pause_in_place_holds_requests_and_abort_mode_aborts(server):
         assert not fut.done()  # queued while paused
         client.continue_generation()
         assert len(fut.result(60)[0].output_ids) >= 1
-        fut = client.submit([5, 6], {"max_new_tokens": 500, "ignore_eos": True}, n=1)
-        _wait_running(server.url)
-        client.pause("abort")
+        fut = _submit_and_freeze(client, server.url, [5, 6], max_new_tokens=500)
+        client.pause("abort")  # aborts the frozen running sample (a second pause changes the mode)
         s = fut.result(60)[0]
         assert s.finish_reason == "abort" and len(s.output_ids) < 500
         assert client.stats.aborted == 1
@@ -139,6 +138,22 @@ def _wait_running(url, timeout=240):  # generous: a loaded CI machine starts req
             return
         time.sleep(0.05)
     raise TimeoutError("no request started running")
+
+
+def _submit_and_freeze(client, url, prompt, max_new_tokens=600, attempts=3):
+    """Submit one long sample and freeze it mid-decode (pause in_place) so a sync lands inside it for sure.
+    A running sequence has sampled at least one token; on a slow machine the sample could finish before the
+    pause arrives, so try again then (the test checks the spans, not timing)."""
+    for _ in range(attempts):
+        fut = client.submit(prompt, {"max_new_tokens": max_new_tokens, "ignore_eos": True}, n=1)
+        _wait_running(url)
+        client.pause("in_place")
+        info = json.loads(_http.request(f"{url}/get_server_info", api_key=KEY)[1])["internal_states"][0]
+        if info["running"] == 1 and not fut.done():
+            return fut
+        client.continue_generation()
+        fut.result(180)
+    raise AssertionError(f"a {max_new_tokens}-token sample finished before pause_generation {attempts} times")
 
 
 def _perturbed_state(model, scale, seed):
@@ -174,13 +189,13 @@ def test_weight_sync_pause_then_in_flight(server, hf_model):
         sync.mode = "in_flight"
         client = SyncRolloutClient([server.url], api_key=KEY)
         try:
-            fut = client.submit([9, 8, 7], {"max_new_tokens": 600, "ignore_eos": True}, n=1)
-            _wait_running(server.url)
-            time.sleep(0.3)
+            fut = _submit_and_freeze(client, server.url, [9, 8, 7])
             v2 = _perturbed_state(hf_model, 0.05, seed=2)
-            sync.sync(hf_buckets(v2), weight_version=2)
+            sync.sync(hf_buckets(v2), weight_version=2)  # in flight: no pause/continue of its own
+            client.continue_generation()
             s = fut.result(180)[0]
         finally:
+            client.continue_generation()
             client.close()
         spans = s.meta_info["weight_versions"]
         assert [sp["version"] for sp in spans] == ["1", "2"] and spans[0]["start"] == 0
@@ -201,13 +216,12 @@ def test_weight_sync_pause_then_in_flight(server, hf_model):
         sync.mode, sync.pause_mode = "pause", "retract"
         client = SyncRolloutClient([server.url], api_key=KEY)
         try:
-            fut = client.submit([4, 4, 2], {"max_new_tokens": 600, "ignore_eos": True}, n=1)
-            _wait_running(server.url)
-            time.sleep(0.3)
+            fut = _submit_and_freeze(client, server.url, [4, 4, 2])
             v3 = _perturbed_state(hf_model, 0.05, seed=3)
-            sync.sync(hf_buckets(v3), weight_version=3)
+            sync.sync(hf_buckets(v3), weight_version=3)  # its retract pause re-queues the frozen sample; continues
             s = fut.result(180)[0]
         finally:
+            client.continue_generation()
             client.close()
         spans = s.meta_info["weight_versions"]
         assert [sp["version"] for sp in spans] == ["2", "3"] and spans[-1]["end"] == len(s.output_ids) == 600
