@@ -146,6 +146,7 @@ class StalenessController:
         self._running: dict[GroupId, int] = {}  # id -> server version at admission; admission order
         self._finished: dict[GroupId, int] = {}  # id -> generated (oldest token) version; completion order
         self._bases: Counter[int] = Counter()  # base version -> unconsumed groups
+        self._step_updates = self.updates_per_step  # what the last on_consumed announced
         self.admitted = 0
         self.consumed = 0
         self.dropped = 0
@@ -326,12 +327,21 @@ class StalenessController:
             self._move(self._finished.pop(g), None)
         self.consumed += len(group_ids)
         self._version += updates
+        self._step_updates = updates
         self.steps += 1
         return stale
 
-    def on_step(self, version: int) -> None:
-        """The trainer finished a step and is now at `version` updates."""
+    def on_step(self, version: int, updates: Optional[int] = None) -> None:
+        """The trainer finished a step and is now at `version` updates. `updates`: how many it really
+        applied, when fewer than on_consumed announced (0 when every sample of the batch was dropped);
+        the controller then takes back the updates that did not happen, so V stays the trainer's count."""
         version = _nonneg_int("version", version)
+        if updates is not None:
+            announced = self._step_updates
+            if not 0 <= updates <= announced:
+                raise ValueError(f"on_step(updates={updates}): the step announced {announced} updates")
+            self._version -= announced - updates
+            self._step_updates = updates
         if version != self._version:
             raise StalenessBoundError(
                 f"on_step({version}): the controller expected version {self._version} after the consumed "

@@ -69,10 +69,11 @@ def train(cfg: DictConfig) -> Path:
             out = train_on(cfg, trainers, sb.batch, ckpts)
             out.update(logprob_mismatch(sb.samples, out.pop("per_update", None), version))
             t_train = time.perf_counter() - t1
-            version += U
+            applied = U if sb.batch is not None else 0  # a step whose samples were all dropped updates nothing
+            version += applied
             step += 1
             if hasattr(generator, "ctl"):
-                generator.ctl.on_step(version)
+                generator.ctl.on_step(version, updates=applied)
 
             t2 = time.perf_counter()
             sync_stats = resync_restarted_servers(cfg, engines, trainers, urls, generator, version, restarts)

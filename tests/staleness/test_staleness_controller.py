@@ -133,6 +133,27 @@ def test_sync_lag_costs_capacity():
     assert ctl.capacity() == 10
 
 
+def test_a_step_that_applied_no_update_is_taken_back():
+    # eta = 2, U = 1, G = 1. Step 0 consumes group 0 but every sample was dropped: the trainer stays at 0.
+    ctl = StalenessController(2, groups_per_step=1)
+    ctl.try_admit([0, 1, 2])
+    for g in range(3):
+        ctl.on_generated(g, 0)
+    ctl.on_consumed([0])
+    assert ctl.version == 1  # announced
+    ctl.on_step(0, updates=0)
+    assert ctl.version == ctl.trainer_version == 0
+    # groups 1 and 2 (generated at 0) may still be trained at versions 0 and 1; one more fits (deadline 2)
+    assert ctl.capacity() == 1
+    assert ctl.on_consumed([1]) == [0]
+    ctl.on_step(1, updates=1)
+    assert ctl.on_consumed([2]) == [1]
+    with pytest.raises(ValueError, match="announced 1 updates"):
+        ctl.on_step(2, updates=3)
+    with pytest.raises(StalenessBoundError, match="expected version 2"):
+        ctl.on_step(1)  # without updates= the announced count must have happened
+
+
 def test_rejects_a_sync_interval_that_starves_admission():
     with pytest.raises(ValueError, match="sync_interval <= 4"):
         StalenessController(max_staleness=3, groups_per_step=1, updates_per_step=4, sync_interval=5)
