@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -84,14 +85,28 @@ class MetricsLogger:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a metrics.jsonl, in order. A truncated last line (a run killed mid-write) is skipped with
+    a warning; any other line that is not a JSON object with a 'step' raises, naming the file and line."""
+    path = Path(path)
+    lines = path.read_text(errors="replace").splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     rows = []
-    for line in Path(path).read_text().splitlines():
-        line = line.strip()
-        if line:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a run killed mid-write leaves a truncated last line
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or "step" not in row:
+                raise ValueError("not a JSON object with a 'step' key")
+            int(row["step"])
+        except (ValueError, TypeError) as e:
+            if i == last:
+                warnings.warn(f"{path}:{i + 1}: ignoring a truncated last line (run killed mid-write?)",
+                              stacklevel=2)
+                continue
+            raise ValueError(f"{path}:{i + 1}: bad metrics line ({e}); each line must be a JSON object "
+                             f"with an integer 'step'") from None
+        rows.append(row)
     return rows
 
 

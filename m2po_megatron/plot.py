@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
-import warnings
 from pathlib import Path
 from typing import Optional, Sequence, Union
+
+from m2po_megatron.metrics import read_metrics
 
 __all__ = ["DEFAULT_PANELS", "plot_runs", "read_metrics_file"]
 
@@ -36,24 +36,9 @@ def read_metrics_file(path: PathLike) -> dict[str, dict[int, float]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics file (expected RUN_DIR/metrics.jsonl)")
-    lines = path.read_text(errors="replace").splitlines()
-    last = max((i for i, l in enumerate(lines) if l.strip()), default=-1)
     series: dict[str, dict[int, float]] = {}
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            if not isinstance(row, dict) or "step" not in row:
-                raise ValueError("not a JSON object with a 'step' key")
-            step = int(row["step"])
-        except (ValueError, TypeError) as e:
-            if i == last:
-                warnings.warn(f"{path}:{i + 1}: ignoring a truncated last line (run killed mid-write?)",
-                              stacklevel=2)
-                continue
-            raise ValueError(f"{path}:{i + 1}: bad metrics line ({e}); each line must be a JSON object "
-                             f"with an integer 'step'") from None
+    for row in read_metrics(path):
+        step = int(row["step"])
         for k, v in row.items():
             x = _number(v)
             if k != "step" and x is not None:

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from m2po_megatron.metrics import MetricsLogger, Progress, read_metrics
 
 
@@ -25,7 +27,11 @@ def test_jsonl_rows_and_secret_keys_dropped(tmp_path):
 def test_truncated_last_line_is_tolerated(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text(json.dumps({"step": 1}) + "\n" + '{"step": 2, "rew')
-    assert read_metrics(p) == [{"step": 1}]
+    with pytest.warns(UserWarning, match="truncated last line"):
+        assert read_metrics(p) == [{"step": 1}]
+    p.write_text(json.dumps({"step": 1}) + "\n" + '{"step": 2, "rew\n' + json.dumps({"step": 3}) + "\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: bad metrics line"):
+        read_metrics(p)  # a corrupt line in the middle is never skipped silently
 
 
 def test_wandb_offline_creates_run_dir(tmp_path):
