@@ -59,6 +59,10 @@ class ParallelSection:
     data_parallel_size: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
+    # Megatron's activation recompute: null | selective (core attention) | full (whole layers)
+    recompute_granularity: Optional[str] = None
+    recompute_method: str = "uniform"  # full only: uniform (chunks of recompute_num_layers) | block
+    recompute_num_layers: int = 1  # full only: layers per chunk (uniform) or per stage (block)
 
 
 @dataclass
@@ -228,6 +232,8 @@ CHOICES = {
     "model.params_dtype": ("auto", "fp32", "bf16", "fp16"),
     "model.fp8": (None, "e4m3", "hybrid"),
     "model.fp8_recipe": ("delayed", "tensorwise", "blockwise", "mxfp8"),
+    "parallel.recompute_granularity": (None, "selective", "full"),
+    "parallel.recompute_method": ("uniform", "block"),
     "algo.name": ("m2po", "grpo", "grpo_notr", "gspo"),
     "algo.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "algo.m2po.rule": ("remove", "cap"),
@@ -244,7 +250,8 @@ CHOICES = {
 # field -> (lower bound, inclusive?) ; upper bounds handled in _check_ranges
 POSITIVE = [
     "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
-    "parallel.context_parallel_size", "parallel.data_parallel_size", "rollout.num_servers",
+    "parallel.context_parallel_size", "parallel.data_parallel_size", "parallel.recompute_num_layers",
+    "rollout.num_servers",
     "rollout.tp_size", "rollout.dp_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
     "rollout.max_concurrency", "rollout.request_timeout_s", "rollout.health_timeout_s", "rollout.bucket_mb",
     "data.max_prompt_len", "reward.num_workers", "reward.timeout_s", "train.steps",
@@ -567,6 +574,15 @@ def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
     if layers and layers % (pp * vpp):
         errors.append(f"num_hidden_layers = {layers} (model config) is not divisible by "
                       f"pipeline_model_parallel_size x virtual stages = {pp} x {vpp}")
+    per_stage = layers // pp if layers and layers % pp == 0 else None
+    if per_stage and p.recompute_granularity == "full":
+        n = p.recompute_num_layers
+        if p.recompute_method == "uniform" and per_stage % n:
+            errors.append(f"parallel.recompute_num_layers = {n} must divide the {per_stage} layers of a pipeline "
+                          f"stage with recompute_method = uniform; use a divisor of {per_stage}")
+        if p.recompute_method == "block" and n > per_stage:
+            errors.append(f"parallel.recompute_num_layers = {n} exceeds the {per_stage} layers of a pipeline "
+                          f"stage (recompute_method = block); use at most {per_stage}")
     ctx = hf.get("max_position_embeddings")
     need = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     if ctx and need > ctx and not hf.get("rope_scaling"):
@@ -581,7 +597,7 @@ def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
             hf, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             data_parallel_size=p.data_parallel_size, micro_batch_tokens=cfg.train.micro_batch_tokens,
             use_distributed_optimizer=p.use_distributed_optimizer, fp8=bool(cfg.model.fp8),
-            sequence_parallel=p.sequence_parallel)
+            sequence_parallel=p.sequence_parallel, recompute=p.recompute_granularity)
         total = est["total"] if isinstance(est, dict) else float(est)
         if total > cfg.cluster.gpu_memory_gb:
             errors.append(f"estimated trainer memory {total:.1f} GB per GPU exceeds cluster.gpu_memory_gb = "

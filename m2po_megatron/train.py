@@ -235,6 +235,8 @@ def actor_kwargs(cfg: DictConfig) -> dict:
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
         context_parallel_size=p.context_parallel_size, sequence_parallel=p.sequence_parallel,
+        recompute_granularity=p.recompute_granularity, recompute_method=p.recompute_method,
+        recompute_num_layers=p.recompute_num_layers,
         use_distributed_optimizer=p.use_distributed_optimizer, precision=dtype, fp8=cfg.model.fp8,
         fp8_recipe=cfg.model.fp8_recipe if cfg.model.fp8 else None, lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_updates,
         lr_decay_steps=max(total_updates, 1), lr_decay_style=o.lr_schedule, weight_decay=o.weight_decay,

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 LR_DECAY_STYLES = ("constant", "cosine", "linear")
 M2PO_SCOPES = ("minibatch", "microbatch")
+RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 
 
 class MegatronActor:
@@ -87,6 +88,9 @@ class MegatronActor:
         adam_eps: float = 1e-8,
         clip_grad: float = 1.0,
         micro_batch_tokens: int = 8192,
+        recompute_granularity: Optional[str] = None,
+        recompute_method: str = "uniform",
+        recompute_num_layers: int = 1,
         loss_name: str = "m2po",
         loss_kwargs: Optional[dict] = None,
         m2po_tau: float = 0.04,
@@ -114,6 +118,11 @@ class MegatronActor:
             raise ValueError(f"lr_decay_style={lr_decay_style!r} needs lr_decay_steps (total optimizer updates)")
         if m2po_scope not in M2PO_SCOPES:
             raise ValueError(f"m2po_scope={m2po_scope!r}: use one of {M2PO_SCOPES}")
+        if recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"recompute_granularity={recompute_granularity!r}: use one of "
+                             f"{RECOMPUTE_GRANULARITIES}")
+        if recompute_granularity == "full" and recompute_method not in ("uniform", "block"):
+            raise ValueError(f"recompute_method={recompute_method!r}: use 'uniform' or 'block'")
         if micro_batch_tokens < 2:
             raise ValueError(f"micro_batch_tokens={micro_batch_tokens} must be >= 2")
         from m2po_megatron.algo import losses as algo_losses
@@ -167,7 +176,8 @@ class MegatronActor:
             self.spec, params_dtype=pr.transformer_overrides()["params_dtype"],
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
-            fp8=pr.fp8, fp8_recipe=pr.fp8_recipe)
+            fp8=pr.fp8, fp8_recipe=pr.fp8_recipe, **_recompute_overrides(
+                recompute_granularity, recompute_method, recompute_num_layers))
         self.use_te = bool(cuda and te)
         chunks = build_model_chunks(self.spec, self.config, use_te=self.use_te)
         # Row lengths must divide by TP for sequence parallelism.
@@ -503,6 +513,7 @@ class MegatronActor:
             result = box[0]
         return result
 
+    @torch.no_grad()  # megatron's forward_only does not disable autograd; without this it keeps the graph
     def _global_keep_masks(self, mb_batch: TrainBatch, shard: list[int], mbs: list[MicroBatch]):
         """No-grad forward at the current weights, then the M2PO mask over the whole mini-batch across DP
         ranks (algo.distributed). Returns ({id(micro-batch): keep[R_mb]}, stats)."""
@@ -648,6 +659,17 @@ def _comm_device():
     from m2po_megatron.device import device
 
     return device()
+
+
+def _recompute_overrides(granularity: Optional[str], method: str, num_layers: int) -> dict:
+    """Megatron's activation recompute: "selective" re-runs core attention in backward; "full" keeps only
+    the input of every `num_layers`-layer chunk ("uniform") or of the first `num_layers` layers of each
+    stage ("block") and re-runs the rest."""
+    if granularity is None:
+        return {}
+    if granularity == "selective":
+        return {"recompute_granularity": "selective"}
+    return {"recompute_granularity": "full", "recompute_method": method, "recompute_num_layers": int(num_layers)}
 
 
 def _has_hf_weights(path: str) -> bool:

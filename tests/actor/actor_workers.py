@@ -147,3 +147,33 @@ def train_worker(name, shared_dir, jobs):
         results.append(res)
         actor.close()
     return results
+
+
+def recompute_worker(settings):
+    """One M2PO step (SGD, micro-batched) per recompute setting; returns loss, HF-named weights, and how often
+    decoder layers and core attention ran forward (recompute re-runs them in backward)."""
+    from m2po_megatron.actor.actor import MegatronActor
+
+    cfg = tiny_config("qwen2_untied")
+    hf = make_hf_model(cfg)
+    batch = make_batch(n=8, vocab=cfg["vocab_size"], ref_model=hf)
+    out = {}
+    for name, kw in settings.items():
+        actor = MegatronActor(hf_config=cfg, load_from=hf, micro_batch_tokens=40, optimizer="sgd", lr=0.1,
+                              weight_decay=0.0, clip_grad=0.0, m2po_tau=0.02, use_distributed_optimizer=False,
+                              **kw)
+        calls = {"layer": 0, "core_attn": 0}
+
+        def count(key):
+            def hook(module, args):
+                calls[key] += 1
+            return hook
+
+        for layer in actor.model[0].module.decoder.layers:
+            layer.register_forward_pre_hook(count("layer"))
+            layer.self_attention.core_attention.register_forward_pre_hook(count("core_attn"))
+        m = actor.train_step(batch, num_minibatches=2)
+        out[name] = {"loss": m["loss"], "weights": actor.gather_hf_state_dict(), "calls": calls,
+                     "microbatches": m["num_microbatches"]}
+        actor.close()
+    return out

@@ -69,6 +69,9 @@ def test_wrong_type_names_field():
     ("staleness.mode=async", "staleness.mode"),
     ("rollout.mem_fraction_static=1.2", "rollout.mem_fraction_static"),
     ("run.resume=/no/such/ckpt", "run.resume"),
+    ("parallel.recompute_granularity=layer", "parallel.recompute_granularity"),
+    ("parallel.recompute_method=blocks", "did you mean 'block'"),
+    ("parallel.recompute_num_layers=0", "parallel.recompute_num_layers"),
 ])
 def test_range_and_choice_rules(override, needle):
     assert needle in err(None, [override])
@@ -105,6 +108,12 @@ def test_model_layout_rules(tmp_path):
                             "parallel.pipeline_model_parallel_size=4", "rollout.max_new_tokens=2048"])
     assert ok.parallel.tensor_model_parallel_size == 4
     assert "model.hf_path" in err(tmp_path, ["model.hf_path=/no/such/model"])
+    full = [f"model.hf_config={tmp_path / 'm'}", "parallel.pipeline_model_parallel_size=2",
+            "parallel.recompute_granularity=full"]
+    assert "14 layers of a pipeline stage" in err(tmp_path, full + ["parallel.recompute_num_layers=4"])
+    assert "use at most 14" in err(tmp_path, full + ["parallel.recompute_method=block",
+                                                     "parallel.recompute_num_layers=15"])
+    assert load_config(None, full + ["parallel.recompute_num_layers=7"]).parallel.recompute_num_layers == 7
 
 
 def test_all_errors_reported_together():
