@@ -502,10 +502,6 @@ def _check_layout(cfg: DictConfig, errors: list[str]) -> None:
         errors.append(f"parallel.virtual_pipeline_model_parallel_size = {vpp} needs "
                       f"pipeline_model_parallel_size >= 2 and a value >= 1; or set it to null")
     c = cfg.cluster
-    if c.gpus_per_node == 0 and p.use_distributed_optimizer and dp > 1:
-        errors.append("parallel.use_distributed_optimizer = true with data_parallel_size > 1 on CPU "
-                      "(cluster.gpus_per_node = 0): megatron-core 0.19.2 cannot reload such checkpoints with "
-                      "PyTorch's Adam (KeyError 'step'); set parallel.use_distributed_optimizer = false")
     if c.gpus_per_node > 0:
         trainer_gpus = c.trainer_nodes * c.gpus_per_node
         if trainer_gpus != tp * pp * cp * dp:

@@ -150,6 +150,7 @@ class MegatronActor:
         self.m2po_tau, self.m2po_rule, self.m2po_scope = float(m2po_tau), m2po_rule, m2po_scope
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.updates_applied = 0
+        self.use_distributed_optimizer = bool(use_distributed_optimizer)
 
         # ---- distributed state ----
         from .parallel import init_distributed
@@ -564,7 +565,8 @@ class MegatronActor:
             "rng_state", rng, (self.pp_size, self.tp_size),
             (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
             replica_id=self.dp_rank)
-        sd["layout"] = {"tp": self.tp_size, "pp": self.pp_size}
+        sd["layout"] = {"tp": self.tp_size, "pp": self.pp_size,
+                        "use_distributed_optimizer": self.use_distributed_optimizer}
         return sd
 
     def save(self, path: str) -> None:
@@ -583,8 +585,13 @@ class MegatronActor:
 
         if not dist_checkpointing.check_is_distributed_checkpoint(path):
             raise FileNotFoundError(f"{path!r} is not a Megatron dist checkpoint (no metadata.json)")
-        common = dist_checkpointing.load_common_state_dict(path)
-        same_layout = common.get("layout") == {"tp": self.tp_size, "pp": self.pp_size}
+        layout = dist_checkpointing.load_common_state_dict(path).get("layout") or {}
+        saved_distopt = layout.get("use_distributed_optimizer", self.use_distributed_optimizer)
+        if saved_distopt != self.use_distributed_optimizer:
+            raise ValueError(f"{path} was saved with use_distributed_optimizer={saved_distopt}; megatron cannot load "
+                             f"its optimizer state into the other kind: set parallel.use_distributed_optimizer="
+                             f"{str(saved_distopt).lower()} to resume from it")
+        same_layout = (layout.get("tp"), layout.get("pp")) == (self.tp_size, self.pp_size)
         self._ensure_optimizer_state()
         sd = self._sharded_state_dict(is_loading=True)
         if not same_layout:

@@ -117,7 +117,8 @@ def train_worker(name, shared_dir, jobs):
     """Run train jobs in order in this process group; each job is a dict:
     tp, pp, optimizer ('sgd'|'adam'), micro_batch_tokens, num_minibatches, save (dir or None), load (dir or
     None). A job without `load` runs train_step on batch A and returns metrics + HF-named weights; a job with
-    `save` or `load` then (after saving / after loading) runs train_step on batch B and returns its loss."""
+    `save` or `load` then (after saving / after loading) runs train_step on batch B and returns its loss and the
+weights after it."""
     from m2po_megatron.actor.actor import MegatronActor
 
     cfg = tiny_config(name, shared_dir)
@@ -134,7 +135,14 @@ def train_worker(name, shared_dir, jobs):
                               use_distributed_optimizer=job.get("distopt", opt == "adam"))
         res = {"dp": actor.dp_size}
         if job.get("load"):
-            actor.load(job["load"])
+            try:
+                actor.load(job["load"])
+            except ValueError as e:
+                if not job.get("expect_error"):
+                    raise
+                results.append({"error": str(e)})
+                actor.close()
+                continue
         else:
             res["metrics"] = actor.train_step(batch_a, num_minibatches=job.get("num_minibatches", 1))
             res["weights"] = actor.gather_hf_state_dict()
@@ -144,6 +152,7 @@ def train_worker(name, shared_dir, jobs):
             actor.save(job["save"])
         if job.get("save") or job.get("load"):
             res["loss_b"] = actor.train_step(batch_b, num_minibatches=1)["loss"]
+            res["weights_b"] = actor.gather_hf_state_dict()  # after an update: exposes the optimizer state
         results.append(res)
         actor.close()
     return results

@@ -41,19 +41,24 @@ def test_log_probs_match_hf_tp2_pp2():
             assert d_lp <= 1e-5, f"{key}: {d_lp}"
 
 
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(700)
 def test_train_step_layouts_match_tp1_and_checkpoint_reshards(tmp_path):
     """Two M2PO updates (global batch-level mask, SGD so weights expose the gradients) at TP2, PP2 and DP2
     with micro-batching (token budget 40) give the weights of TP1 on whole mini-batches; an Adam checkpoint
-    saved at TP2 and loaded at TP1 gives the same next-step loss."""
-    ck = str(tmp_path / "ckpt")
+    saved at TP2 and loaded at TP1 gives the same next-step loss and update; so does a distributed-optimizer
+    (DP2) checkpoint loaded at DP2 and at DP1 (Adam's moments and step restored)."""
+    ck, dck = str(tmp_path / "ckpt"), str(tmp_path / "distopt")
     jobs2 = [dict(tp=2, pp=1, num_minibatches=2), dict(tp=1, pp=2, num_minibatches=2),
              dict(tp=1, pp=1, num_minibatches=2),
-             dict(tp=2, pp=1, optimizer="adam", distopt=False, save=ck)]
-    r2 = run_multiprocess(w.train_worker, 2, args=("qwen2_untied", None, jobs2), timeout=300)
+             dict(tp=2, pp=1, optimizer="adam", distopt=False, save=ck),
+             dict(tp=1, pp=1, optimizer="adam", distopt=True, save=dck),
+             dict(tp=1, pp=1, optimizer="adam", distopt=True, load=dck)]
+    r2 = run_multiprocess(w.train_worker, 2, args=("qwen2_untied", None, jobs2), timeout=380)
     jobs1 = [dict(tp=1, pp=1, num_minibatches=2, mbt=1000),
-             dict(tp=1, pp=1, optimizer="adam", distopt=False, load=ck)]
-    r1 = run_multiprocess(w.train_worker, 1, args=("qwen2_untied", None, jobs1), timeout=180)[0]
+             dict(tp=1, pp=1, optimizer="adam", distopt=False, load=ck),
+             dict(tp=1, pp=1, optimizer="adam", distopt=True, load=dck),
+             dict(tp=1, pp=1, optimizer="adam", distopt=False, load=dck, expect_error=True)]
+    r1 = run_multiprocess(w.train_worker, 1, args=("qwen2_untied", None, jobs1), timeout=240)[0]
     ref = r1[0]
     init = ref["weights"]  # sanity: the step changed the weights and the mask dropped tokens
     assert ref["moved"] > 1e-3  # the updates changed the weights
@@ -71,6 +76,16 @@ def test_train_step_layouts_match_tp1_and_checkpoint_reshards(tmp_path):
             assert diff <= 1e-6, (job, diff)
         assert r2[rank][2]["dp"] == 2
     assert abs(r2[0][3]["loss_b"] - r1[1]["loss_b"]) <= 1e-6
+
+    def update_diff(a, b):
+        return max(float((a["weights_b"][k] - b["weights_b"][k]).abs().max()) for k in a["weights_b"])
+
+    assert update_diff(r2[0][3], r1[1]) <= 1e-6
+    saved = r2[0][4]
+    # exact at the same layout (a shared Adam 'step' tensor after loading once made this 3.5e-4)
+    assert saved["loss_b"] == r2[0][5]["loss_b"] and update_diff(saved, r2[0][5]) == 0.0  # DP2 -> DP2
+    assert abs(saved["loss_b"] - r1[2]["loss_b"]) <= 1e-6 and update_diff(saved, r1[2]) <= 1e-6  # DP2 -> DP1
+    assert "set parallel.use_distributed_optimizer=true" in r1[3]["error"]
 
 
 @pytest.mark.timeout(300)

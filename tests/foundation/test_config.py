@@ -87,7 +87,6 @@ def test_cross_field_rules():
     assert "sync_interval" in err(None, ["staleness.max_staleness=2", "staleness.sync_interval=3"])
     assert "virtual_pipeline" in err(None, ["parallel.virtual_pipeline_model_parallel_size=2"])
     assert "rollout.engine = sglang" in err(None, ["rollout.engine=sglang"])
-    assert "use_distributed_optimizer" in err(None, ["parallel.data_parallel_size=2"])
     msg = err(None, ["train.prompts_per_step=4", "train.updates_per_step=4", "rollout.n_samples_per_prompt=3",
                      "parallel.data_parallel_size=2"])
     assert "parallel.data_parallel_size" in msg
