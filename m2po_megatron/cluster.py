@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from m2po_megatron.net import free_port
+from m2po_megatron.net import serve_rendezvous
 
 TRAINER_RESOURCE = "trainer"
 ROLLOUT_RESOURCE = "rollout"
@@ -64,7 +64,7 @@ def shutdown_ray() -> None:
 class RankGroup:
     """`world_size` Ray actors of `actor_cls`, one per rank, placed on nodes with the `trainer` resource.
 
-    Rank 0 is created first and picks the rendezvous address (its node's IP and a free port), so the
+    Rank 0 is created first and hosts the rendezvous store (its node's IP, a port bound at once), so the
     group works across nodes; every rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT as
     torchrun would set them. `call(method, ...)` runs a method on every rank and returns all results."""
 
@@ -108,12 +108,15 @@ class RankActorBase:
     """Mixin for Ray actors that form a torch.distributed group (see RankGroup)."""
 
     def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0 hosts the group's rendezvous store on its node (see net.serve_rendezvous)."""
         ip = node_ip()
-        return ip, free_port(ip)
+        self._rendezvous = serve_rendezvous(ip)
+        return ip, self._rendezvous.port
 
     def set_dist_env(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+                          TORCHELASTIC_USE_AGENT_STORE="True")  # every rank a client of rank 0's store
         self.rank = rank
 
     def node(self) -> dict:

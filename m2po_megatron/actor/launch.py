@@ -16,7 +16,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-from m2po_megatron.net import free_port
+from m2po_megatron.net import rendezvous_env, serve_rendezvous
 
 
 def _child(fn, rank, world_size, env, args, kwargs, q):
@@ -50,8 +50,8 @@ def run_multiprocess(
         raise ValueError(f"world_size={world_size} must be >= 1")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    base_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    store = serve_rendezvous("127.0.0.1")  # held by this process until the children are done
+    base_env = {**rendezvous_env("127.0.0.1", store), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     base_env.update(env or {})
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, base_env, args, kwargs or {}, q), daemon=False)
              for r in range(world_size)]
