@@ -16,14 +16,17 @@ from torch.distributed import distributed_c10d as c10d
 
 
 def init_custom_process_group(*, backend: str, master_address: str, master_port: int, world_size: int,
-                              rank: int, group_name: str, timeout_s: float = 600.0):
+                              rank: int, group_name: str, timeout_s: float = 600.0, store=None):
     """Blocks until all `world_size` ranks joined; returns a ProcessGroup usable as `group=` in
-    torch.distributed collectives, where group rank == rank given here (0 = the trainer's source rank)."""
+    torch.distributed collectives, where group rank == rank given here (0 = the trainer's source rank).
+    `store`: rank 0's store already listening at master_address:master_port (net.serve_rendezvous), so the
+    port cannot be taken between choosing and binding it; without it rank 0 binds master_port here."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the weight-sync group of world_size {world_size}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                                   timeout=timeout))
+    if store is None:
+        store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank,
+                                                       world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     # The options keyword was renamed across torch versions (pg_options -> backend_options).

@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 import torch
 
 from m2po_megatron.rollout import _http
-from m2po_megatron.net import free_port
+from m2po_megatron.net import serve_rendezvous
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -100,14 +100,16 @@ class DistributedWeightSync:
 
         if self.pg is not None:
             raise RuntimeError("the weight-sync group already exists; call close() first")
-        port = self.master_port or free_port(self.master_address)
+        store = None if self.master_port else serve_rendezvous(self.master_address)
+        port = self.master_port or store.port
         offsets = [1 + sum(self.ranks[:i]) for i in range(len(self.urls))]
         futs = self._post_all("/init_weights_update_group", lambda i: init_group_body(
             self.master_address, port, offsets[i], self.world_size, self.group_name, self.backend))
         try:
             self.pg = init_custom_process_group(backend=self.backend, master_address=self.master_address,
                                                 master_port=port, world_size=self.world_size, rank=0,
-                                                group_name=self.group_name, timeout_s=self.timeout_s)
+                                                group_name=self.group_name, timeout_s=self.timeout_s,
+                                                store=store)
         except Exception as e:
             failed = [repr(f.exception()) for f in futs if f.done() and f.exception()]
             raise RuntimeError(f"creating the weight-sync group on {self.master_address}:{port} failed: {e!r}; "
