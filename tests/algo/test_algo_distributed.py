@@ -2,24 +2,20 @@
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from m2po_megatron.net import rendezvous_env, serve_rendezvous
+
 WORKER = pathlib.Path(__file__).with_name("_algo_dist_worker.py")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(world: int, replicas: int, timeout: float = 240.0):
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    store = serve_rendezvous()  # bound now; every rank (0 included) joins it as a client
+    env = dict(os.environ, OMP_NUM_THREADS="1", **rendezvous_env("127.0.0.1", store))
+    port = store.port
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), "--rank", str(r), "--world", str(world), "--port", str(port),

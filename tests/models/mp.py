@@ -2,25 +2,20 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from m2po_megatron.net import rendezvous_env, serve_rendezvous
 
 
 def run_ranks(script: str, args: list[str], world_size: int, timeout: float = 240.0, env_extra=None) -> list[str]:
     """Run `python script *args` as ranks 0..world_size-1; returns their combined outputs; raises on failure."""
-    port = free_port()
+    store = serve_rendezvous()  # bound now; the ranks join it as clients
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **(env_extra or {}))
+                   OMP_NUM_THREADS="1", **rendezvous_env("127.0.0.1", store), **(env_extra or {}))
         procs.append(subprocess.Popen([sys.executable, script, *args], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout
