@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -29,6 +30,9 @@ def node_ip() -> str:
         return "127.0.0.1"
 
 
+_owned_tmpdir: Optional[str] = None  # the private temp dir init_ray made
+
+
 def init_ray(address: str = "local", *, tmpdir: Optional[str] = None, object_store_memory_mb: int = 512,
              trainer_slots: int = 1, rollout_slots: int = 1, num_cpus: Optional[int] = None) -> dict:
     """Start a private local Ray (address="local": own temp dir, never another user's cluster) or join
@@ -39,8 +43,10 @@ def init_ray(address: str = "local", *, tmpdir: Optional[str] = None, object_sto
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return {}
+    global _owned_tmpdir
     if address == "local":
         tmp = tmpdir or tempfile.mkdtemp(prefix="m2po-ray-")
+        _owned_tmpdir = None if tmpdir else tmp  # ours to delete at shutdown (the run dir keeps the logs)
         Path(tmp).mkdir(parents=True, exist_ok=True)
         ctx = ray.init(
             address="local", _temp_dir=str(Path(tmp).resolve()), include_dashboard=False,
@@ -55,10 +61,14 @@ def init_ray(address: str = "local", *, tmpdir: Optional[str] = None, object_sto
 
 
 def shutdown_ray() -> None:
+    global _owned_tmpdir
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
+    if _owned_tmpdir is not None:
+        shutil.rmtree(_owned_tmpdir, ignore_errors=True)
+        _owned_tmpdir = None
 
 
 class RankGroup:
