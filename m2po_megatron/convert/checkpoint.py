@@ -20,7 +20,7 @@ import torch
 from m2po_megatron.net import free_port
 from m2po_megatron.models.hf_checkpoint import CheckpointMismatchError, open_hf_source, validate_hf_source
 from m2po_megatron.models.hf_config import HFModelSpec, read_hf_config
-from m2po_megatron.models.weights import expected_hf_names, expected_hf_shapes, hf_names, rule_for
+from m2po_megatron.models.weights import expected_hf_names, expected_hf_shapes, hf_names, rule_for, to_hf
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
                  "merges.txt", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
@@ -113,15 +113,34 @@ def _build(spec: HFModelSpec, dtype: torch.dtype):
 # ---- HF -> Megatron --------------------------------------------------------------------------------------
 
 def _hf_to_megatron_rank(hf_dir: str, out_tmp: str, dtype: torch.dtype) -> None:
-    """Body of one conversion rank (parallel state already initialized)."""
+    """Body of one conversion rank (parallel state already initialized). The model is built on the meta
+    device and each tensor is made from the HF files only when the writer reaches it (convert.streaming), so memory
+    holds one parameter at a time, not the model."""
     from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
 
-    from m2po_megatron.models.loading import load_hf_weights
+    from m2po_megatron.convert.streaming import MaterializingTorchDistSave
+    from m2po_megatron.models.loading import global_named_parameters
+    from m2po_megatron.models.weights import to_megatron_shard
 
     spec = read_hf_config(hf_dir)
-    model = _build(spec, dtype)
-    load_hf_weights(model, hf_dir, spec, validate=False)  # validated once by the caller
-    dist_checkpointing.save({"model": model.sharded_state_dict()}, out_tmp)
+    with torch.device("meta"):
+        model = _build(spec, dtype)
+    named = list(global_named_parameters(model))
+    names = {id(p): name for name, p in named}
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    src = open_hf_source(hf_dir)  # validated once by the caller
+
+    def materialize(meta_param: torch.Tensor) -> torch.Tensor:
+        rule, layer = rule_for(spec, names[id(meta_param)])
+        shard = to_megatron_shard(spec, rule, [src.get(h) for h in hf_names(rule, layer)], tp_rank, tp_size)
+        return shard.to(dtype).contiguous()
+
+    try:
+        dist_checkpointing.save({"model": model.sharded_state_dict()}, out_tmp,
+                                sharded_strategy=MaterializingTorchDistSave([p for _, p in named], materialize))
+    finally:
+        src.close()
 
 
 def _spawned_rank(rank: int, world: int, port: int, tp: int, pp: int, hf_dir: str, out_tmp: str, dtype) -> None:
@@ -232,20 +251,19 @@ def load_megatron_checkpoint(model, ckpt_dir: str) -> None:
     model.load_state_dict(loaded["model"])
 
 
-def hf_write_plan(spec: HFModelSpec, model, dtype: torch.dtype) -> list[tuple[str, int]]:
-    """(hf_name, bytes) in the order iter_hf_tensors produces them for this (TP1, PP1) model."""
+def hf_write_plan(spec: HFModelSpec, model, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(hf_name, shape, dtype) in the order the conversion produces them for this (TP1, PP1) model."""
     from m2po_megatron.models.loading import global_named_parameters
 
     shapes = expected_hf_shapes(spec)
-    size = torch.empty((), dtype=dtype).element_size()
     plan = []
     for mname, _ in global_named_parameters(model):
         if mname == "output_layer.weight" and spec.tie_word_embeddings:
             continue
         rule, layer = rule_for(spec, mname)
         for n in hf_names(rule, layer):
-            plan.append((n, size * int(torch.Size(shapes[n]).numel())))
-    if sorted(n for n, _ in plan) != sorted(expected_hf_names(spec)):
+            plan.append((n, tuple(shapes[n]), dtype))
+    if sorted(n for n, _, _ in plan) != sorted(expected_hf_names(spec)):
         raise AssertionError("the model's parameters do not cover the HF tensor list")
     return plan
 
@@ -253,9 +271,9 @@ def hf_write_plan(spec: HFModelSpec, model, dtype: torch.dtype) -> list[tuple[st
 def megatron_to_hf(ckpt_dir: str, out_dir: str, *, hf_config: str | None = None, dtype=None,
                    max_shard_gb: float = 5.0, overwrite: bool = False) -> str:
     """Convert a Megatron dist checkpoint (from hf_to_megatron or the actor) to an HF directory: sharded
-    safetensors + index, config.json, generation config and tokenizer files when available. Holds the model once
-    (TP1, this process) plus one output shard. dtype defaults to the checkpoint's dtype."""
-    from m2po_megatron.convert.export import iter_hf_tensors
+    safetensors + index, config.json, generation config and tokenizer files when available. Reads one decoder
+    parameter at a time and writes each tensor as it comes (no shard is held). dtype defaults to the
+    checkpoint's."""
     from m2po_megatron.convert.hf_writer import ShardedSafetensorsWriter
 
     cfg_dir = find_hf_config_dir(ckpt_dir, hf_config)
@@ -271,17 +289,48 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, hf_config: str | None = None,
     if os.path.exists(out_dir) and not overwrite:
         raise FileExistsError(f"output {out_dir} exists; remove it or pass overwrite (--overwrite)")
     with _single_process_megatron():
-        model = _build(spec, ckpt_dtype)
+        with torch.device("meta"):  # shapes and sharding only; tensors are read a layer at a time
+            model = _build(spec, ckpt_dtype)
         validate_megatron_checkpoint(spec, ckpt_dir, model)
-        load_megatron_checkpoint(model, ckpt_dir)
         with _atomic_dir(out_dir, overwrite) as tmp:
             writer = ShardedSafetensorsWriter(tmp, hf_write_plan(spec, model, out_dtype), int(max_shard_gb * 2**30))
-            for name, t in iter_hf_tensors(model, spec, dtype=out_dtype):
-                writer.add(name, t)
+            for name, t in _iter_hf_tensors_from_checkpoint(spec, model, ckpt_dir):
+                writer.add(name, t.to(out_dtype).contiguous())
             writer.close()
             _copy_side_files(cfg_dir, tmp, dtype=out_dtype)
         del model
     return out_dir
+
+
+def _iter_hf_tensors_from_checkpoint(spec: HFModelSpec, meta_model, ckpt_dir: str):
+    """(hf_name, tensor) in hf_write_plan order, reading one parameter at a time from the dist checkpoint
+    (its layer's slab of each stacked tensor), so the model is never held whole. The meta model (TP1/PP1)
+    says, per parameter, which stored chunks hold it and where they go (the swiglu fc1 is two)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    from m2po_megatron.convert.streaming import read_chunks, storage_key
+    from m2po_megatron.models.loading import global_named_parameters
+
+    sharded = meta_model.sharded_state_dict()
+    apply_factories(sharded)
+    pieces: dict[int, list[ShardedTensor]] = {}
+    for sh in nested_values(sharded):
+        if isinstance(sh, ShardedTensor):
+            pieces.setdefault(storage_key(sh.data), []).append(sh)
+    for name, p in global_named_parameters(meta_model):
+        if name == "output_layer.weight" and spec.tie_word_embeddings:
+            continue
+        real = torch.empty(p.shape, dtype=p.dtype)
+        chunks = []
+        for sh in pieces[storage_key(p)]:
+            view = real.as_strided(sh.data.size(), sh.data.stride(), sh.data.storage_offset() - p.storage_offset())
+            # stacked tensors carry `prepend_axis_num` leading axes (the layer) of size 1 per parameter
+            chunks.append((sh.key, tuple(sh.global_offset),
+                           view.view((1,) * sh.prepend_axis_num + tuple(sh.local_shape))))
+        read_chunks(ckpt_dir, chunks)
+        rule, layer = rule_for(spec, name)
+        yield from to_hf(spec, rule, [real], layer)
 
 
 # ---- --verify --------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from typing import Any, Mapping
 
 import torch
@@ -53,9 +54,57 @@ class HFTensorSource:
         self.close()
 
 
-def _dir_source(path: str) -> HFTensorSource:
-    from safetensors import safe_open
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+                      torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64",
+                      torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL"}
+_TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
+
+class SafetensorsFile:
+    """One .safetensors file read with plain file reads. safetensors' own reader maps the file, and every page
+    it touches stays resident in the process for as long as the file is open: a conversion that reads every
+    tensor once would look (and be accounted) as large as the checkpoint. Here a tensor costs its own bytes."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._f = open(path, "rb")
+        try:
+            (n,) = struct.unpack("<Q", self._f.read(8))
+            header = json.loads(self._f.read(n))
+        except (struct.error, ValueError) as e:
+            self._f.close()
+            raise CheckpointMismatchError(f"{path} is not a valid safetensors file ({e})") from None
+        self._start = 8 + n
+        self.meta = {k: v for k, v in header.items() if k != "__metadata__"}
+
+    def keys(self) -> list[str]:
+        return list(self.meta)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.meta[name]["shape"])
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        m = self.meta[name]
+        if m["dtype"] not in _TORCH_DTYPES:
+            raise CheckpointMismatchError(f"{self.path}: tensor {name!r} has dtype {m['dtype']}, which this reader "
+                                          f"does not know ({sorted(_TORCH_DTYPES)})")
+        t = torch.empty(m["shape"], dtype=_TORCH_DTYPES[m["dtype"]])
+        begin, end = m["data_offsets"]
+        if end - begin != t.nbytes:
+            raise CheckpointMismatchError(f"{self.path}: tensor {name!r} has {end - begin} bytes for shape "
+                                          f"{m['shape']} {m['dtype']} ({t.nbytes} expected); the file is corrupt")
+        if t.nbytes:
+            self._f.seek(self._start + begin)
+            if self._f.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy())) != t.nbytes:
+                raise CheckpointMismatchError(f"{self.path}: truncated while reading {name!r}")
+        return t
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _dir_source(path: str) -> HFTensorSource:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -74,18 +123,23 @@ def _dir_source(path: str) -> HFTensorSource:
         full = os.path.join(path, fn)
         if not os.path.isfile(full):
             raise FileNotFoundError(f"weight file {full} listed in the index is missing")
-        h = safe_open(full, framework="pt", device="cpu")
+        h = SafetensorsFile(full)
         handles[fn] = h
         for k in h.keys():
-            shapes[k] = tuple(h.get_slice(k).get_shape())
+            shapes[k] = h.shape(k)
             where[k] = fn
     if weight_map is not None:
         missing = sorted(k for k, fn in weight_map.items() if where.get(k) != fn)
         if missing:
             raise CheckpointMismatchError(f"index lists tensors not found in their files: {missing[:10]}")
     cfg = os.path.join(path, "config.json")
+    def close():
+        for h in handles.values():
+            h.close()
+        handles.clear()
+
     return HFTensorSource(shapes, lambda n: handles[where[n]].get_tensor(n),
-                          config=cfg if os.path.isfile(cfg) else None, close=handles.clear)
+                          config=cfg if os.path.isfile(cfg) else None, close=close)
 
 
 def open_hf_source(source: Any) -> HFTensorSource:

@@ -36,10 +36,18 @@ def load_hf_weights(model_chunks: Any, source: Any, hf_config: Any = None, *, va
     safetensors (sharded with index or not), a transformers model, or a {name: tensor} dict. hf_config defaults
     to the source's config. Every rank calls this with the same source; each reads only what it holds.
     Raises CheckpointMismatchError before touching the model when tensors are missing/unexpected/misshaped."""
-    from megatron.core import parallel_state as ps
-
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     src = open_hf_source(source)
+    try:
+        return _load(chunks, src, hf_config, validate)
+    finally:
+        if src is not source:
+            src.close()
+
+
+def _load(chunks: list, src, hf_config: Any, validate: bool) -> int:
+    from megatron.core import parallel_state as ps
+
     spec: HFModelSpec = spec_for(src, hf_config)
     if validate:
         validate_hf_source(spec, src)

@@ -224,3 +224,26 @@ def test_export_iterator_tp2_equals_hf(work, tmp_path):
     for b in r0:
         assert len(b) == 1 or sum(t.numel() * t.element_size() for _, t in b) <= limit
     assert len(r0) > 3
+
+
+def test_streaming_writer_files_are_standard_safetensors(tmp_path):
+    from safetensors.torch import load_file
+
+    from m2po_megatron.convert.hf_writer import ShardedSafetensorsWriter
+
+    a = torch.arange(6.0).reshape(2, 3).bfloat16()
+    b = torch.tensor([1.5, -2.0, 3.25, 0.0])
+    w = ShardedSafetensorsWriter(str(tmp_path), [("a", (2, 3), torch.bfloat16), ("b", (4,), torch.float32)], 16)
+    with pytest.raises(ValueError, match="plan says"):
+        w.add("a", torch.zeros(3, 2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out of plan"):
+        w.add("b", b)
+    w.add("a", a)
+    w.add("b", b)  # 12 + 16 bytes > 16: a shard each
+    w.close()
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 28 and len(set(index["weight_map"].values())) == 2
+    got = {}
+    for f in set(index["weight_map"].values()):
+        got.update(load_file(str(tmp_path / f)))
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b) and got["a"].dtype == torch.bfloat16
