@@ -1,9 +1,9 @@
 """Peak memory and throughput of checkpoint conversion on a random model from a real config.
 
 Default: Qwen2.5-0.5B architecture (494M parameters) in bf16, random weights, written tensor by tensor.
-Each conversion runs in a fresh process; we report its peak RSS minus the RSS of the same process after
-imports (the baseline measured in the same run), as a ratio to (largest layer + embeddings) and to the whole
-model, plus GB/s of model bytes. Usage: python benchmarks/bench_convert.py [CONFIG_DIR] [--dtype bf16]"""
+Each conversion runs in a fresh process that first imports everything the conversion uses, then resets its
+peak RSS (/proc/self/clear_refs) and reports the peak during the conversion minus the RSS just before it, as
+a ratio to (largest layer + embeddings) and to the whole model, plus GB/s of model bytes. Usage: python benchmarks/bench_convert.py [CONFIG_DIR] [--dtype bf16]"""
 import argparse
 import json
 import os
@@ -13,19 +13,33 @@ import sys
 import tempfile
 
 CHILD = r"""
-import os, resource, sys, time, json
+import os, sys, time, json
 import torch
 torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
 from m2po_megatron.convert import checkpoint as C
-import megatron.core, transformers, safetensors  # import cost is part of the baseline
-def rss_mb():
+# everything the conversion imports, so that import memory is not counted as conversion memory
+import megatron.core, transformers, safetensors
+import megatron.core.models.gpt, megatron.core.dist_checkpointing, torch.distributed.checkpoint
+import m2po_megatron.convert.streaming, m2po_megatron.convert.hf_writer, m2po_megatron.models.builder
+def status(key):
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS"):
+            if line.startswith(key):
                 return int(line.split()[1]) / 1024
 if __name__ == "__main__":
     what, a, b = sys.argv[1:4]
-    base = rss_mb()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current RSS: the peak below is the conversion's
+    base = status("VmRSS")
+    import threading
+    peaks, done = {"RssAnon": 0.0, "RssFile": 0.0}, threading.Event()
+    def sample():  # anonymous memory vs mapped file pages (page cache, reclaimable), sampled every 20 ms
+        while not done.is_set():
+            for k in peaks:
+                peaks[k] = max(peaks[k], status(k))
+            time.sleep(0.02)
+    base_anon = status("RssAnon")
+    threading.Thread(target=sample, daemon=True).start()
     t = time.time()
     if what == "baseline":
         pass
@@ -34,8 +48,9 @@ if __name__ == "__main__":
     else:
         C.megatron_to_hf(a, b, max_shard_gb=0.5)
     dt = time.time() - t
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"base_mb": base, "peak_mb": peak, "seconds": dt}))
+    done.set()
+    print(json.dumps({"base_mb": base, "peak_mb": status("VmHWM"), "seconds": dt, "anon_base_mb": base_anon,
+                      "anon_peak_mb": peaks["RssAnon"], "file_peak_mb": peaks["RssFile"]}))
 """
 
 
@@ -51,7 +66,7 @@ def write_random_hf(cfg_dir, out, dtype):
     size = torch.empty((), dtype=dtype).element_size()
     plan = [(n, size * torch.Size(s).numel()) for n, s in shapes.items()]
     os.makedirs(out)
-    w = ShardedSafetensorsWriter(out, plan, 512 * 2**20)
+    w = ShardedSafetensorsWriter(out, [(n, tuple(s), dtype) for n, s in shapes.items()], 512 * 2**20)
     g = torch.Generator().manual_seed(0)
     for n, s in shapes.items():
         w.add(n, (torch.randn(s, generator=g) * 0.02).to(dtype))
@@ -92,12 +107,16 @@ def main():
         m2h = run_child(script, "m2h", os.path.join(work, "mc"), os.path.join(work, "back"))
         unit = layer + emb
         print(f"model: {spec.architecture} {args.dtype}, {total / 2**30:.3f} GiB; largest layer + embeddings "
-              f"{unit / 2**20:.0f} MiB; import baseline RSS {base['peak_mb']:.0f} MiB")
+              f"{unit / 2**20:.0f} MiB; RSS after imports {base['base_mb']:.0f} MiB")
         for name, r in (("hf-to-megatron", h2m), ("megatron-to-hf", m2h)):
-            extra = (r["peak_mb"] - base["peak_mb"]) * 2**20
-            print(f"{name}: peak RSS {r['peak_mb']:.0f} MiB, above baseline {extra / 2**20:.0f} MiB = "
+            extra = (r["peak_mb"] - r["base_mb"]) * 2**20
+            print(f"{name}: peak RSS {r['peak_mb']:.0f} MiB, {extra / 2**20:.0f} MiB above its start = "
                   f"{extra / unit:.2f}x (largest layer + embeddings), {extra / total:.2f}x (whole model); "
                   f"{r['seconds']:.1f} s, {total / 1e9 / r['seconds']:.3f} GB/s")
+            anon = (r["anon_peak_mb"] - r["anon_base_mb"]) * 2**20
+            print(f"  of which anonymous (sampled every 20 ms): {anon / 2**20:.0f} MiB = {anon / unit:.2f}x "
+                  f"(largest layer + embeddings), {anon / total:.2f}x (whole model); mapped files peak "
+                  f"{r['file_peak_mb']:.0f} MiB")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
