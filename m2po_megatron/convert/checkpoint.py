@@ -110,6 +110,23 @@ def _build(spec: HFModelSpec, dtype: torch.dtype):
     return build_gpt_model(spec, tc)
 
 
+def _build_meta(spec: HFModelSpec, dtype: torch.dtype):
+    """The GPTModel without weights (meta device), for its sharded_state_dict. The local spec with CPU
+    initialization, because TE layers and GPU initialization allocate on the GPU whatever the default device
+    is (the stored keys are the same for both specs)."""
+    from m2po_megatron.models.builder import build_gpt_model, transformer_config_from_hf
+
+    tc = transformer_config_from_hf(spec, params_dtype=dtype, pipeline_dtype=dtype, perform_initialization=False,
+                                    use_cpu_initialization=True)
+    with torch.device("meta"):
+        model = build_gpt_model(spec, tc, use_te=False)
+    real = [n for n, p in model.named_parameters() if not p.is_meta]
+    if real:
+        raise RuntimeError(f"parameters were allocated off the meta device ({real[:3]}); conversion would write "
+                           f"uninitialized memory")
+    return model
+
+
 # ---- HF -> Megatron --------------------------------------------------------------------------------------
 
 def _hf_to_megatron_rank(hf_dir: str, out_tmp: str, dtype: torch.dtype) -> None:
@@ -124,8 +141,7 @@ def _hf_to_megatron_rank(hf_dir: str, out_tmp: str, dtype: torch.dtype) -> None:
     from m2po_megatron.models.weights import to_megatron_shard
 
     spec = read_hf_config(hf_dir)
-    with torch.device("meta"):
-        model = _build(spec, dtype)
+    model = _build_meta(spec, dtype)
     named = list(global_named_parameters(model))
     names = {id(p): name for name, p in named}
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
@@ -289,8 +305,7 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, hf_config: str | None = None,
     if os.path.exists(out_dir) and not overwrite:
         raise FileExistsError(f"output {out_dir} exists; remove it or pass overwrite (--overwrite)")
     with _single_process_megatron():
-        with torch.device("meta"):  # shapes and sharding only; tensors are read a layer at a time
-            model = _build(spec, ckpt_dtype)
+        model = _build_meta(spec, ckpt_dtype)  # shapes and sharding only; tensors are read one at a time
         validate_megatron_checkpoint(spec, ckpt_dir, model)
         with _atomic_dir(out_dir, overwrite) as tmp:
             writer = ShardedSafetensorsWriter(tmp, hf_write_plan(spec, model, out_dtype), int(max_shard_gb * 2**30))
