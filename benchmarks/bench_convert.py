@@ -3,7 +3,8 @@
 Default: Qwen2.5-0.5B architecture (494M parameters) in bf16, random weights, written tensor by tensor.
 Each conversion runs in a fresh process that first imports everything the conversion uses, then resets its
 peak RSS (/proc/self/clear_refs) and reports the peak during the conversion minus the RSS just before it, as
-a ratio to (largest layer + embeddings) and to the whole model, plus GB/s of model bytes. Usage: python benchmarks/bench_convert.py [CONFIG_DIR] [--dtype bf16]"""
+a ratio to (largest layer + embeddings) and to the whole model, plus GB/s of model bytes.
+Usage: python benchmarks/bench_convert.py [CONFIG_DIR] [--dtype bf16]"""
 import argparse
 import json
 import os

@@ -75,7 +75,8 @@ class MaterializingTorchDistSave(TorchDistSaveShardedStrategy):
         sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict,
                                                                               self.keep_only_main_replica)
         pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
-        planner = _MaterializingPlanner(self.params, self.materialize, dedup_replicated_tensors=not self.keep_only_main_replica,
+        planner = _MaterializingPlanner(self.params, self.materialize,
+                                        dedup_replicated_tensors=not self.keep_only_main_replica,
                                         flatten_state_dict=False, flatten_sharded_tensors=False)
         writer = dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1, single_file_per_rank=True)
         dcp.save(pyt_state_dict, storage_writer=writer, planner=planner)

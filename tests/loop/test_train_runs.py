@@ -55,7 +55,8 @@ def small_eval(tiny_task, tmp_path):
 def test_bounded_dp2_with_eval_and_checkpoint(tiny_task, tmp_path, small_eval):
     p = m2po("train", "tiny-cpu", *overrides(
         tiny_task, tmp_path, "bounded", "parallel.tensor_model_parallel_size=1", "parallel.data_parallel_size=2",
-        "parallel.use_distributed_optimizer=true", "staleness.mode=bounded", "staleness.max_staleness=2", "staleness.sync_interval=2", "train.steps=3",
+        "parallel.use_distributed_optimizer=true", "staleness.mode=bounded", "staleness.max_staleness=2",
+        "staleness.sync_interval=2", "train.steps=3",
         f"data.eval_paths=[{small_eval}]", "eval.interval=3", "eval.n_samples=2"))
     ok(p)
     run = tmp_path / "bounded"
