@@ -1,34 +1,12 @@
 """Small network helpers shared by the launcher, the trainer group and the weight sync."""
 from __future__ import annotations
 
-import random
 import socket
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = (int(x) for x in f.read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free on `host` now, for a process that binds it later. Chosen below the kernel's
-    ephemeral range when there is room: the kernel hands ports of that range to every outgoing connection
-    and bind(0), so a port from it can be taken before our process binds it."""
-    lo, _ = _ephemeral_range()
-    if lo > 11000:
-        rng = random.Random()
-        for _ in range(64):
-            port = rng.randrange(10000, lo)
-            with socket.socket() as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
-                return port
+    """A port that is free on `host` now (bind to port 0 and read it back), for a server that binds it a little
+    later. torch.distributed groups never use this: they rendezvous at a store bound at once (below)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

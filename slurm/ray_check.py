@@ -22,9 +22,26 @@ def _init(address: str):
     return ray
 
 
+def _listening(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
 def wait(address: str, nodes: int, timeout_s: float) -> int:
     deadline = time.monotonic() + timeout_s
     while True:  # the head may be restarting (ray_node.sh retries a failed start)
+        # ray.init blocks for good when the head's GCS is not there: call it only once the port answers
+        if not _listening(address):
+            if time.monotonic() > deadline:
+                print(f"[ray_check] nothing listens at {address} after {timeout_s:.0f} s; see the ray-head log "
+                      f"in the run's logs/ directory", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(2)
+            continue
         try:
             ray = _init(address)
             break

@@ -8,7 +8,6 @@ import datetime
 import os
 
 from m2po_megatron.device import dist_backend, has_cuda
-from m2po_megatron.net import free_port
 
 
 def check_parallel_sizes(world_size: int, tensor_model_parallel_size: int = 1,
@@ -61,10 +60,12 @@ def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_paralle
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if world_size > 1 and "MASTER_PORT" not in os.environ:
             raise ValueError("MASTER_PORT is not set; set MASTER_ADDR/MASTER_PORT (torchrun does) for WORLD_SIZE > 1")
-        if world_size == 1:
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group(backend=dist_backend(), rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if world_size == 1 and "MASTER_PORT" not in os.environ:  # one process: an in-memory store, no port
+            dist.init_process_group(backend=dist_backend(), store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(backend=dist_backend(), rank=rank, world_size=world_size, timeout=timeout)
     elif dist.get_world_size() != world_size:
         raise ValueError(f"torch.distributed is initialized with world size {dist.get_world_size()} but "
                          f"WORLD_SIZE={world_size}")

@@ -17,7 +17,7 @@ import shutil
 import time
 import torch
 
-from m2po_megatron.net import free_port
+from m2po_megatron.net import rendezvous_env, serve_rendezvous
 from m2po_megatron.models.hf_checkpoint import CheckpointMismatchError, open_hf_source, validate_hf_source
 from m2po_megatron.models.hf_config import HFModelSpec, read_hf_config
 from m2po_megatron.models.weights import expected_hf_names, expected_hf_shapes, hf_names, rule_for, to_hf
@@ -89,7 +89,8 @@ def _single_process_megatron():
     owned = not dist.is_initialized()
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
     if owned:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_PORT=str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.pop("MASTER_PORT", None)  # one rank: an in-memory store (parallel.init_distributed)
     try:
         parallel.init_distributed()
         yield
@@ -159,9 +160,8 @@ def _hf_to_megatron_rank(hf_dir: str, out_tmp: str, dtype: torch.dtype) -> None:
         src.close()
 
 
-def _spawned_rank(rank: int, world: int, port: int, tp: int, pp: int, hf_dir: str, out_tmp: str, dtype) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+def _spawned_rank(rank: int, world: int, env: dict, tp: int, pp: int, hf_dir: str, out_tmp: str, dtype) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), **env)
     torch.set_num_threads(1)
     from m2po_megatron.actor import parallel
 
@@ -194,9 +194,10 @@ def hf_to_megatron(hf_dir: str, out_dir: str, *, tensor_model_parallel_size: int
         else:
             import torch.multiprocessing as mp
 
-
-            mp.start_processes(_spawned_rank, args=(tp * pp, free_port(), tp, pp, os.path.abspath(hf_dir), tmp,
-                                                    dtype), nprocs=tp * pp, start_method="spawn")
+            store = serve_rendezvous("127.0.0.1")  # bound now; the ranks join it as clients
+            env = rendezvous_env("127.0.0.1", store)
+            mp.start_processes(_spawned_rank, args=(tp * pp, env, tp, pp, os.path.abspath(hf_dir), tmp, dtype),
+                               nprocs=tp * pp, start_method="spawn")
         _copy_side_files(hf_dir, os.path.join(tmp, "hf"))
         with open(os.path.join(tmp, CONVERT_META), "w") as f:
             json.dump({"source": os.path.abspath(hf_dir), "dtype": _DTYPE_NAMES[dtype], "architecture":
