@@ -71,28 +71,68 @@ def shutdown_ray() -> None:
         _owned_tmpdir = None
 
 
-class RankGroup:
-    """`world_size` Ray actors of `actor_cls`, one per rank, placed on nodes with the `trainer` resource.
+def rank_bundles(world_size: int, ranks_per_node: Optional[int] = None, gpus_per_rank: float = 0,
+                 resource: str = TRAINER_RESOURCE) -> list[list[dict]]:
+    """Placement-group bundles for `world_size` ranks: one group per node of `ranks_per_node` consecutive
+    ranks (rank r is bundle r % n of group r // n), so a node holds whole tensor-parallel groups whenever n
+    is a multiple of the TP size (Megatron's TP groups are consecutive ranks). None: one group of all ranks."""
+    n = ranks_per_node or world_size
+    if world_size < 1 or n < 1 or world_size % n:
+        raise ValueError(f"world size {world_size} is not a multiple of ranks_per_node {n}: every trainer node "
+                         f"holds the same number of ranks (cluster.gpus_per_node)")
+    bundle = {resource: 1e-3}
+    if gpus_per_rank:
+        bundle["GPU"] = gpus_per_rank
+    return [[dict(bundle) for _ in range(n)] for _ in range(world_size // n)]
 
-    Rank 0 is created first and hosts the rendezvous store (its node's IP, a port bound at once), so the
-    group works across nodes; every rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT as
-    torchrun would set them. `call(method, ...)` runs a method on every rank and returns all results."""
+
+class RankGroup:
+    """`world_size` Ray actors of `actor_cls`, one per rank, on nodes with the `trainer` resource.
+
+    Ranks are placed with placement groups (rank_bundles): with `ranks_per_node` (GPU runs: the node's GPU
+    count), one STRICT_PACK group per node of consecutive ranks, as verl places its worker groups; else one
+    PACK group. Rank 0 is created first and hosts the rendezvous store (its node's IP, a port bound at once), so
+    the group works across nodes; every rank gets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT as torchrun would
+    set them, and LOCAL_RANK = the index of the GPU Ray assigned it (device.local_gpu_index).
+    `call(method, ...)` runs a method on every rank and returns all results."""
 
     def __init__(self, actor_cls: Any, world_size: int, *, gpus_per_rank: float = 0, env: Optional[dict] = None,
-                 resource: str = TRAINER_RESOURCE, init_kwargs: Optional[dict] = None):
+                 resource: str = TRAINER_RESOURCE, init_kwargs: Optional[dict] = None,
+                 ranks_per_node: Optional[int] = None, placement_timeout_s: float = 600.0):
         import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        remote_cls = ray.remote(actor_cls)
-        opts = dict(num_cpus=0, num_gpus=gpus_per_rank, resources={resource: 1e-3},
-                    runtime_env={"env_vars": {k: str(v) for k, v in (env or {}).items()}})
+        groups = rank_bundles(world_size, ranks_per_node, gpus_per_rank, resource)
+        strategy = "STRICT_PACK" if ranks_per_node else "PACK"
+        self.placement_groups = [placement_group(b, strategy=strategy) for b in groups]
         self.world_size = world_size
         self.actors = []
-        rank0 = remote_cls.options(**opts).remote(**(init_kwargs or {}))
+        try:
+            ray.get([pg.ready() for pg in self.placement_groups], timeout=placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            for pg in self.placement_groups:
+                remove_placement_group(pg)
+            raise RuntimeError(
+                f"Ray could not place {world_size} trainer ranks within {placement_timeout_s:.0f} s: they need "
+                f"{len(groups)} node(s) each offering {len(groups[0])} x {groups[0][0]} ({strategy}); the cluster "
+                f"has {ray.available_resources()}") from None
+        remote_cls = ray.remote(actor_cls)
+        n = len(groups[0])
+
+        def opts(rank: int) -> dict:
+            return dict(num_cpus=0, num_gpus=gpus_per_rank, resources={resource: 1e-3},
+                        runtime_env={"env_vars": {k: str(v) for k, v in (env or {}).items()}},
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=self.placement_groups[rank // n],
+                            placement_group_bundle_index=rank % n))
+
+        rank0 = remote_cls.options(**opts(0)).remote(**(init_kwargs or {}))
         master_addr, master_port = ray.get(rank0.rendezvous_address.remote())
         self.master = (master_addr, master_port)
         self.actors.append(rank0)
-        for _ in range(1, world_size):
-            self.actors.append(remote_cls.options(**opts).remote(**(init_kwargs or {})))
+        for rank in range(1, world_size):
+            self.actors.append(remote_cls.options(**opts(rank)).remote(**(init_kwargs or {})))
         ray.get([a.set_dist_env.remote(rank, world_size, master_addr, master_port)
                  for rank, a in enumerate(self.actors)])
 
@@ -106,12 +146,25 @@ class RankGroup:
 
     def kill(self) -> None:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         for a in self.actors:
             try:
                 ray.kill(a)
             except Exception:
                 pass
+        for pg in getattr(self, "placement_groups", []):
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+
+
+def assigned_gpu_ids() -> list:
+    """The GPU ids Ray assigned to this worker ([] outside Ray or without GPUs)."""
+    import ray
+
+    return list(ray.get_gpu_ids()) if ray.is_initialized() else []
 
 
 class RankActorBase:
@@ -124,7 +177,10 @@ class RankActorBase:
         return ip, self._rendezvous.port
 
     def set_dist_env(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        from m2po_megatron.device import local_gpu_index
+
+        local = local_gpu_index(assigned_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local),
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
                           TORCHELASTIC_USE_AGENT_STORE="True")  # every rank a client of rank 0's store
         self.rank = rank

@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 
-from m2po_megatron.device import dist_backend, has_cuda
+from m2po_megatron.device import dist_backend, has_cuda, select_gpu
 
 
 def check_parallel_sizes(world_size: int, tensor_model_parallel_size: int = 1,
@@ -40,7 +40,8 @@ def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_paralle
     """Initialize torch.distributed (if not yet) and Megatron's parallel state; returns the data-parallel size.
 
     Environment: RANK, WORLD_SIZE (default 0/1), MASTER_ADDR (default 127.0.0.1), MASTER_PORT (required when
-    WORLD_SIZE > 1), LOCAL_RANK (GPU index, default 0). Backend: NCCL with CUDA, gloo otherwise (with the
+    WORLD_SIZE > 1), LOCAL_RANK (the index of this rank's GPU among those the process sees, default 0; Ray
+    ranks get it from device.local_gpu_index). Backend: NCCL with CUDA, gloo otherwise (with the
     CPU compatibility layer activated in the calling thread)."""
     import torch
     import torch.distributed as dist
@@ -50,7 +51,7 @@ def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_paralle
     dp = check_parallel_sizes(world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
                               context_parallel_size, virtual_pipeline_model_parallel_size)
     if has_cuda():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        select_gpu(int(os.environ.get("LOCAL_RANK", "0")))
     else:
         from m2po_megatron.actor import cpu_compat
 

@@ -291,7 +291,7 @@ class EngineManager:
                  num_cpus_per_server: float = 1, num_gpus_per_server: float | None = None, env: dict | None = None):
         """node_ids: Ray node ids to pin server i to (hard affinity); otherwise Ray places them (use a custom
         resource or placement group in the cluster config to reserve rollout nodes). num_gpus_per_server
-        defaults to tp_size for sglang and 0 for local."""
+        defaults to tp_size x dp_size for sglang (the GPUs one server uses) and 0 for local."""
         if not specs:
             raise ValueError("EngineManager needs at least one ServerSpec")
         if node_ids is not None and len(node_ids) != len(specs):
@@ -337,8 +337,8 @@ class EngineManager:
 
         for i, spec in enumerate(self.specs):
             opts = {"num_cpus": self.num_cpus,
-                    "num_gpus": self.num_gpus if self.num_gpus is not None else (spec.tp_size if spec.engine == "sglang"
-                                                                                 else 0),
+                    "num_gpus": self.num_gpus if self.num_gpus is not None else (
+                        spec.tp_size * spec.dp_size if spec.engine == "sglang" else 0),
                     "max_concurrency": 4}
             if self.node_ids is not None:
                 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -46,8 +46,8 @@ class DistributedWeightSync:
         """mode "pause": POST /pause_generation {mode: pause_mode} before and /continue_generation after (every
         token of a sample comes from one version unless pause_mode is in_place); mode "in_flight": servers keep
         generating while tensors arrive and switch between decode steps (the weight_versions spans of a sample
-        then say which tokens came from which version). ranks_per_server: each server's TP size (one server per
-        DP replica)."""
+        then say which tokens came from which version). ranks_per_server: GPU ranks of each server that join the
+        group, tp_size x dp_size (rank offsets are numbered server by server)."""
         if mode not in ("pause", "in_flight"):
             raise ValueError(f"mode {mode!r} must be 'pause' or 'in_flight'")
         if pause_mode not in ("abort", "retract", "in_place"):
