@@ -48,6 +48,9 @@ class ModelSection:
     params_dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16
     fp8: Optional[str] = None  # null | e4m3 | hybrid (Transformer Engine only)
     fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise | mxfp8
+    # auto (te where Transformer Engine is usable, else sdpa) | te | sdpa (PyTorch fused attention per packed
+    # sequence) | local (megatron's dense-mask attention: S x S scores per layer; a reference)
+    attention_backend: str = "auto"
 
 
 @dataclass
@@ -232,6 +235,7 @@ CHOICES = {
     "model.params_dtype": ("auto", "fp32", "bf16", "fp16"),
     "model.fp8": (None, "e4m3", "hybrid"),
     "model.fp8_recipe": ("delayed", "tensorwise", "blockwise", "mxfp8"),
+    "model.attention_backend": ("auto", "te", "sdpa", "local"),
     "parallel.recompute_granularity": (None, "selective", "full"),
     "parallel.recompute_method": ("uniform", "block"),
     "algo.name": ("m2po", "grpo", "grpo_notr", "gspo"),
@@ -501,7 +505,26 @@ def _check_layout(cfg: DictConfig, errors: list[str]) -> None:
     if vpp is not None and (vpp < 1 or pp < 2):
         errors.append(f"parallel.virtual_pipeline_model_parallel_size = {vpp} needs "
                       f"pipeline_model_parallel_size >= 2 and a value >= 1; or set it to null")
+    # layouts the actor cannot run: refused here, before Ray starts
+    if cp > 1:
+        errors.append(f"parallel.context_parallel_size = {cp}: the actor does not split packed rows over "
+                      f"context-parallel ranks; set it to 1 (use tensor/pipeline/data parallelism)")
+    if vpp is not None and vpp > 1:
+        errors.append(f"parallel.virtual_pipeline_model_parallel_size = {vpp}: the actor runs one model chunk per "
+                      f"pipeline stage; set it to null")
+    if cfg.model.params_dtype == "fp16":
+        errors.append("model.params_dtype = fp16: the actor has no loss scaling for fp16; use bf16 (or auto)")
+    backend = cfg.model.attention_backend
+    if p.sequence_parallel and backend in ("sdpa", "local"):
+        errors.append(f"parallel.sequence_parallel = true needs Transformer Engine layers: set "
+                      f"model.attention_backend = te (or auto on a GPU with TE), not {backend}")
+    if cfg.model.fp8 and backend in ("sdpa", "local"):
+        errors.append(f"model.fp8 runs on Transformer Engine layers: set model.attention_backend = te (or auto), "
+                      f"not {backend}")
     c = cfg.cluster
+    if c.gpus_per_node > 0 and c.gpus_per_node % tp:
+        errors.append(f"cluster.gpus_per_node = {c.gpus_per_node} is not a multiple of "
+                      f"parallel.tensor_model_parallel_size = {tp}: a tensor-parallel group must sit on one node")
     if c.gpus_per_node > 0:
         trainer_gpus = c.trainer_nodes * c.gpus_per_node
         if trainer_gpus != tp * pp * cp * dp:
@@ -511,10 +534,15 @@ def _check_layout(cfg: DictConfig, errors: list[str]) -> None:
                 f"{tp} x {pp} x {cp} x {dp} = {tp * pp * cp * dp}; make them equal "
                 f"(e.g. parallel.data_parallel_size = {max(1, trainer_gpus // (tp * pp * cp))})")
         if c.rollout_nodes > 0 and cfg.rollout.engine == "sglang":
-            per_server = cfg.rollout.tp_size * cfg.rollout.dp_size
-            if (c.rollout_nodes * c.gpus_per_node) % per_server:
-                errors.append(f"rollout GPUs = {c.rollout_nodes * c.gpus_per_node} are not a multiple of "
+            per_server = cfg.rollout.tp_size * cfg.rollout.dp_size  # GPUs of one server
+            rollout_gpus = c.rollout_nodes * c.gpus_per_node
+            if rollout_gpus % per_server:
+                errors.append(f"rollout GPUs = {rollout_gpus} are not a multiple of "
                               f"rollout.tp_size x rollout.dp_size = {per_server}")
+            if not cfg.rollout.urls and cfg.rollout.num_servers * per_server > rollout_gpus:
+                errors.append(f"rollout.num_servers x rollout.tp_size x rollout.dp_size = {cfg.rollout.num_servers} "
+                              f"x {cfg.rollout.tp_size} x {cfg.rollout.dp_size} GPUs exceed the {rollout_gpus} "
+                              f"rollout GPUs; use rollout.num_servers = {max(1, rollout_gpus // per_server)}")
 
 
 def _check_batches(cfg: DictConfig, errors: list[str]) -> None:
@@ -593,12 +621,22 @@ def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
             hf, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             data_parallel_size=p.data_parallel_size, micro_batch_tokens=cfg.train.micro_batch_tokens,
             use_distributed_optimizer=p.use_distributed_optimizer, fp8=bool(cfg.model.fp8),
-            sequence_parallel=p.sequence_parallel, recompute=p.recompute_granularity)
+            sequence_parallel=p.sequence_parallel, recompute=p.recompute_granularity,
+            attention_backend=_gpu_attention_backend(cfg.model.attention_backend))
         total = est["total"] if isinstance(est, dict) else float(est)
         if total > cfg.cluster.gpu_memory_gb:
             errors.append(f"estimated trainer memory {total:.1f} GB per GPU exceeds cluster.gpu_memory_gb = "
                           f"{cfg.cluster.gpu_memory_gb}; raise tensor/pipeline parallel size or lower "
                           f"train.micro_batch_tokens ({est})")
+
+
+def _gpu_attention_backend(requested: str) -> str:
+    """The backend a GPU trainer would build for `requested` ("auto": TE when this environment has it)."""
+    if requested != "auto":
+        return requested
+    import importlib.util
+
+    return "te" if importlib.util.find_spec("transformer_engine") is not None else "sdpa"
 
 
 # ----------------------------------------------------------------------------------------------------

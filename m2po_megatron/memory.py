@@ -1,18 +1,23 @@
 """Per-GPU memory estimate of a megatron-core trainer rank, from an HF config.json and a parallel layout.
 
-An upper-bound style estimate used to reject layouts that cannot fit before any GPU is touched. The formula
-(documented with its assumptions in docs/cluster.md, "Memory estimate"):
+Used to reject layouts that cannot fit before any GPU is touched. The formula (the per-token byte accounting
+is written out in docs/cluster.md, "Memory estimate"):
 
   weights    = P_rank x bytes(params_dtype)                 (+1 byte/linear param with FP8: TE's cast copy)
   grads      = P_rank x 4 (fp32 main grads, Megatron's default for bf16) or 2 when grad_reduce_in_fp32=False
   optimizer  = P_rank x 12 (fp32 master copy + Adam m + v) / DP with the distributed optimizer
-  activations= tokens x layers_in_flight x per-layer bytes (Korthikanti et al. 2022, adapted to GQA, SwiGLU
-               and flash attention; no attention-score matrix is stored)
-  logits     = tokens x vocab/TP x 12 bytes on the last stage (fp32 logits, fp32 softmax, fp32 temp)
+  activations= tokens x layers_in_flight x what one decoder layer saves for backward per token, counted
+               tensor by tensor for the attention backend as built (layer_saved_elements)
+  logits     = tokens x vocab/TP x 2 x bytes(params_dtype) on the last stage (the logits kept for backward
+               and their gradient; actor.logprobs works on fixed-size fp32 chunks) + the chunk temporaries
+  optimizer_step = P_rank x 4 / DP: torch's foreach AdamW (megatron's optimizer without TE/Apex) makes one
+               fp32 temporary per parameter during the step, when the activations are already freed
   overhead   = CUDA context, NCCL buffers and allocator fragmentation (a fixed allowance)
 
-P_rank is the parameter count of the heaviest pipeline stage on one tensor-parallel rank. Units: GiB.
-Pure arithmetic: no torch, no Megatron.
+total = weights + grads + optimizer + max(activations + logits, optimizer_step) + overhead. P_rank is the
+parameter count of the heaviest pipeline stage on one tensor-parallel rank. Units: GiB. Pure arithmetic:
+no torch, no Megatron. The tensor terms (total - overhead) are meant to be within MARGIN of the allocator's
+peak (torch.cuda.max_memory_allocated) for the backend that ran; the gpu test checks it.
 """
 from __future__ import annotations
 
@@ -24,6 +29,9 @@ from typing import Optional
 GiB = 1024**3
 BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 RECOMPUTE = (None, "none", "selective", "full")
+ATTENTION_BACKENDS = ("te", "sdpa", "local")
+MARGIN = 0.15  # stated accuracy of the tensor terms against the allocator's peak
+LOGPROB_CHUNK_BYTES = 64 * 1024**2  # actor.logprobs.CHUNK_BYTES
 
 
 @dataclass(frozen=True)
@@ -108,16 +116,78 @@ def _stage_params(s: ModelShape, tp: int, pp: int) -> tuple[float, float]:
     return body + extra, linear
 
 
-def _layer_activation_bytes(s: ModelShape, tp: int, sp: bool, fp8: bool) -> float:
-    """Bytes saved for backward by one decoder layer per token (bf16 activations, flash attention)."""
-    lin_in = 1 if fp8 else 2  # TE keeps FP8 copies of linear inputs
-    # replicated across TP unless sequence parallel: norm inputs (2) and QKV / fc1 inputs
-    seq = 2 * s.hidden * 2 + 2 * s.hidden * lin_in
-    # split across TP: q, k, v and attention output (flash attention backward), proj input,
-    # SwiGLU's gate and up outputs, fc2 input
-    split = (2 * (s.q_dim + 2 * s.kv_dim) + 2 * s.q_dim + lin_in * s.q_dim
-             + 2 * 2 * s.ffn + lin_in * s.ffn)
-    return seq / (tp if sp else 1) + split / tp
+def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = False, fp8: bool = False,
+                         attention_backend: str = "sdpa", row_tokens: int = 0, recompute: Optional[str] = None,
+                         fused_kernels: bool = True) -> tuple[float, float, float]:
+    """What one decoder layer saves for backward per token: (elements in the activation dtype, FP8 bytes,
+    fp32 elements), tensor by tensor, on one TP rank. `row_tokens` (the packed row length) matters only for
+    the "local" backend's S x S scores. fused_kernels: CUDA's fused RMSNorm (saves its input and an fp32
+    rstd) and megatron's fused SwiGLU (saves its input); False gives what the CPU runs (torch's composite
+    RMSNorm keeps fp32 copies of the input and of the normalised input; the unfused SwiGLU keeps 5 x ffn),
+    which tests/test_memory.py measures against autograd's saved tensors in bf16. (fp32 activations, CPU
+    only, share some of the counted copies: the estimate is for bf16.)"""
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend = {attention_backend!r} must be one of {ATTENTION_BACKENDS}")
+    rep = 1.0 / (tp if sequence_parallel else 1)  # hidden-sized tensors: sharded only by sequence parallel
+    h, hd = s.hidden, s.head_dim
+    q, kv, f = s.q_dim / tp, s.kv_dim / tp, s.ffn / tp
+    heads, groups = s.heads / tp, s.kv_heads / tp
+    lin = 0.0 if fp8 else 1.0  # linear inputs: kept in the activation dtype, or as an FP8 byte
+    act = fp8b = f32 = 0.0
+    # input_layernorm and pre_mlp_layernorm
+    if fused_kernels:
+        act += 2 * h * rep
+        f32 += 2 * rep
+    else:
+        f32 += 2 * (2 * h + 1) * rep
+    # linear_qkv and linear_fc1 inputs (the two norms' outputs)
+    act += 2 * h * rep * lin
+    fp8b += 2 * h * rep * (1 - lin)
+    # q_layernorm / k_layernorm (Qwen3): q is a reshaped copy of linear_qkv's output, k a view of it
+    if s.qk_norm:
+        if fused_kernels:
+            act += q
+            f32 += heads + groups
+        else:
+            f32 += 2 * (q + kv) + heads + groups
+    act += 4 * hd  # RoPE's cos and sin, for q and for k (one position each, shared by the heads)
+    selective = recompute == "selective"
+    if attention_backend == "local":  # megatron's DotProductAttention over a dense block-diagonal mask
+        gqa = heads != groups
+        # linear_qkv's output stays alive when a view of it is saved: v (not repeated, or kept by the
+        # recompute checkpoint) or k (fused k_layernorm)
+        qkv_alive = (s.qk_norm and fused_kernels) or not gqa or selective
+        act += (q + 2 * kv) if qkv_alive else 0.0
+        if selective:  # the checkpoint keeps q and k as they enter core attention
+            act += q + kv
+        else:
+            act += q + (q if gqa else kv) + (q if gqa else 0.0)  # q; k and v repeated to every head
+            act += heads * row_tokens  # softmax output in the activation dtype (bmm input) ...
+            f32 += heads * row_tokens  # ... and in fp32 (attention_softmax_in_fp32)
+        act += q * lin  # linear_proj input (the context)
+        fp8b += q * (1 - lin)
+    else:  # fused attention (flash): q, k, v, the output and a log-sum-exp per head
+        act += q + 2 * kv  # linear_qkv's output, alive through the v view the kernel keeps
+        act += q + kv  # q and k after RoPE
+        if not selective:
+            act += q
+            f32 += heads
+        if attention_backend == "sdpa" or selective or fp8:
+            # a tensor of its own: the concatenated per-sequence outputs (sdpa), the recomputed output, or
+            # TE's FP8 copy
+            act += q * lin
+            fp8b += q * (1 - lin)
+    # MLP: linear_fc1's output (gate and up) kept by SwiGLU, linear_fc2's input
+    act += 2 * f + (0.0 if fused_kernels else 2 * f)
+    act += f * lin
+    fp8b += f * (1 - lin)
+    return act, fp8b, f32
+
+
+def _layer_activation_bytes(s: ModelShape, tp: int, sp: bool, fp8: bool, backend: str, row_tokens: int,
+                            recompute: Optional[str], act_bytes: int) -> float:
+    act, fp8b, f32 = layer_saved_elements(s, tp, sp, fp8, backend, row_tokens, recompute)
+    return act * act_bytes + fp8b + 4 * f32
 
 
 def estimate_gpu_memory(
@@ -135,10 +205,12 @@ def estimate_gpu_memory(
     grad_reduce_in_fp32: bool = True,
     microbatches_in_flight: Optional[int] = None,
     overhead_gb: float = 4.0,
+    attention_backend: str = "sdpa",
 ) -> dict[str, float]:
     """Estimated peak memory of one trainer GPU in GiB: weights, grads, optimizer, activations, logits,
-    overhead and total. `micro_batch_tokens` is the packed token budget of one micro-batch (split across
-    context parallel ranks); `recompute` is Megatron's recompute_granularity (None, "selective", "full").
+    optimizer_step, overhead and total. `micro_batch_tokens` is the packed token budget of one micro-batch
+    (split across context parallel ranks); `recompute` is Megatron's recompute_granularity (None,
+    "selective", "full"); `attention_backend` the resolved backend ("te", "sdpa", "local").
     `microbatches_in_flight` defaults to the pipeline depth (1F1B keeps up to PP micro-batches on stage 0).
     """
     tp, pp, dp, cp = (int(tensor_model_parallel_size), int(pipeline_model_parallel_size),
@@ -169,18 +241,27 @@ def estimate_gpu_memory(
     opt_bytes = 12 if mixed else 8  # fp32 master + m + v, or m + v when the params are fp32
     optimizer = p_rank * opt_bytes / (dp * cp if use_distributed_optimizer else 1)
 
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend = {attention_backend!r} must be one of {ATTENTION_BACKENDS}")
     tokens = micro_batch_tokens / cp
-    per_layer = _layer_activation_bytes(s, tp, sequence_parallel, fp8) * (pbytes / 2 if not mixed else 1)
+    sp_div = tp if sequence_parallel else 1
+    per_layer = _layer_activation_bytes(s, tp, sequence_parallel, fp8, attention_backend, int(tokens),
+                                        None if recompute == "full" else recompute, pbytes)
     layers_stage = s.layers // pp
     in_flight = microbatches_in_flight if microbatches_in_flight is not None else pp
     if recompute == "full":
         # only each layer's input is kept; one layer's activations are rebuilt at a time
-        kept = 2 * s.hidden / (tp if sequence_parallel else 1)
-        act = tokens * (layers_stage * in_flight * kept + per_layer)
-    else:  # "selective" recomputes core attention, which flash attention never stores anyway
+        act = tokens * (layers_stage * in_flight * pbytes * s.hidden / sp_div + per_layer)
+    else:
         act = tokens * layers_stage * in_flight * per_layer
-    # the last stage also computes log-probs over the vocab-parallel logits
-    logits = tokens * s.vocab / tp * 12
+    # outside the layers (last stage, one micro-batch): the final norm's and the output layer's inputs, the
+    # token ids, the dense mask of the local backend
+    act += tokens * (2 * s.hidden * pbytes / sp_div + 4 / sp_div + 8 + (tokens if attention_backend == "local" else 0))
+    # the last stage keeps the vocab-parallel logits for backward and then holds their gradient too, plus
+    # the fixed fp32 chunks of actor.logprobs (a few at a time)
+    logits = tokens * s.vocab / tp * 2 * pbytes + 3 * LOGPROB_CHUNK_BYTES
+    # torch's foreach AdamW (no TE/Apex): one fp32 temporary per (sharded) parameter during the step
+    step = 4 * p_rank / (dp * cp if use_distributed_optimizer else 1) if attention_backend != "te" else 0.0
 
     out = {
         "weights": weights / GiB,
@@ -188,9 +269,11 @@ def estimate_gpu_memory(
         "optimizer": optimizer / GiB,
         "activations": act / GiB,
         "logits": logits / GiB,
+        "optimizer_step": step / GiB,
         "overhead": float(overhead_gb),
     }
-    out["total"] = sum(out.values())
+    out["total"] = (out["weights"] + out["grads"] + out["optimizer"] + out["overhead"]
+                    + max(out["activations"] + out["logits"], out["optimizer_step"]))
     out["params_per_gpu_billion"] = p_rank / 1e9
     return out
 
@@ -204,5 +287,5 @@ def load_hf_config(path: str | Path) -> dict:
 
 
 def format_estimate(est: dict[str, float]) -> str:
-    keys = ("weights", "grads", "optimizer", "activations", "logits", "overhead")
+    keys = ("weights", "grads", "optimizer", "activations", "logits", "optimizer_step", "overhead")
     return ", ".join(f"{k} {est[k]:.1f}" for k in keys) + f" -> total {est['total']:.1f} GiB"

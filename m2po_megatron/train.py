@@ -241,18 +241,20 @@ def actor_kwargs(cfg: DictConfig) -> dict:
         fp8_recipe=cfg.model.fp8_recipe if cfg.model.fp8 else None, lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_updates,
         lr_decay_steps=max(total_updates, 1), lr_decay_style=o.lr_schedule, weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-        micro_batch_tokens=cfg.train.micro_batch_tokens, loss_name=a.name, loss_kwargs=loss_kwargs,
+        micro_batch_tokens=cfg.train.micro_batch_tokens, attention_backend=cfg.model.attention_backend,
+        loss_name=a.name, loss_kwargs=loss_kwargs,
         m2po_tau=a.m2po.tau, m2po_rule=a.m2po.rule,
         m2po_scope="minibatch" if a.m2po.scope == "global" else "microbatch", seed=cfg.run.seed)
 
 
 def start_trainers(cfg: DictConfig, world: int, rdir: Path):
-    """One Ray actor per Megatron rank on the `trainer` nodes."""
+    """One Ray actor per Megatron rank on the `trainer` nodes; on GPUs, one placement group per node holding
+    gpus_per_node consecutive ranks (whole tensor-parallel groups)."""
     from m2po_megatron.cluster import RankGroup
     from m2po_megatron.trainer_worker import TrainerWorker
 
-    gpus = 1 if cfg.cluster.gpus_per_node else 0
-    group = RankGroup(TrainerWorker, world, gpus_per_rank=gpus,
+    gpus = cfg.cluster.gpus_per_node
+    group = RankGroup(TrainerWorker, world, gpus_per_rank=1 if gpus else 0, ranks_per_node=gpus or None,
                       env={"OMP_NUM_THREADS": 1, "M2PO_TRAINER_THREADS": 1})
     nodes = group.call("setup", actor_kwargs(cfg), timeout=1800)
     record_placement(rdir, "trainer", [{"rank": n["rank"], "node": n["hostname"], "ip": n["ip"], "pid": n["pid"]}
@@ -262,7 +264,7 @@ def start_trainers(cfg: DictConfig, world: int, rdir: Path):
 
 def init_weight_sync(cfg: DictConfig, trainers, urls: list[str], generation: int = 0) -> None:
     r = cfg.rollout
-    ranks = r.tp_size if r.engine == "sglang" else 1  # engine ranks per server join the group
+    ranks = r.tp_size * r.dp_size if r.engine == "sglang" else 1  # a server's GPU ranks all join the group
     trainers.call("init_weight_sync", urls, secret(r.api_key, "M2PO_API_KEY"), r.bucket_mb, 0, r.update_mode,
                   ranks, f"weight_update_group_{generation}", timeout=600)
 

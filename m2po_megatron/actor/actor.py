@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from .batch import TrainBatch
-from .logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
-from .packing import MicroBatch, plan_microbatches, shard_for_dp, split_minibatches
+from .logprobs import token_log_probs
+from .packing import MicroBatch, model_inputs, plan_microbatches, shard_for_dp, split_minibatches
 from .precision import probe_machine, resolve_precision
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,9 @@ class MegatronActor:
             lr_decay_steps, lr_decay_style ("constant" | "cosine" | "linear"), weight_decay, adam_beta1,
             adam_beta2, adam_eps, clip_grad (0 = off). Scheduler steps count optimizer updates.
         micro_batch_tokens: token budget of one packed micro-batch (a row of several sequences).
+        attention_backend: "auto" (TE where usable, else "sdpa") | "te" | "sdpa" (PyTorch's fused attention
+            per packed sequence, any device) | "local" (megatron's dense-mask attention; a reference), see
+            models.builder.resolve_attention_backend.
         loss_name: a loss of m2po_megatron.algo.losses (e.g. "m2po", "grpo"); loss_kwargs: its options.
         m2po_tau, m2po_rule ("remove" | "cap"), m2po_scope: "minibatch" (the paper's batch-level mask over
             the whole optimizer mini-batch across DP ranks, from a no-grad forward at the current weights)
@@ -88,6 +91,7 @@ class MegatronActor:
         adam_eps: float = 1e-8,
         clip_grad: float = 1.0,
         micro_batch_tokens: int = 8192,
+        attention_backend: str = "auto",
         recompute_granularity: Optional[str] = None,
         recompute_method: str = "uniform",
         recompute_num_layers: int = 1,
@@ -131,12 +135,18 @@ class MegatronActor:
         if known is not None and loss_name not in known:
             raise ValueError(f"loss_name={loss_name!r}: use one of {sorted(known)}")
         cuda, te, cc = probe_machine()
-        if sequence_parallel and not (cuda and te):
-            raise ValueError("sequence_parallel=True needs the Transformer Engine layer spec (GPU): megatron-core's "
-                             "local spec uses torch norms, which refuse sequence parallelism; set "
-                             "sequence_parallel=False on CPU")
+        from m2po_megatron.models.builder import resolve_attention_backend
+
+        self.attention_backend = resolve_attention_backend(attention_backend, cuda=cuda, te=te)
+        if sequence_parallel and self.attention_backend != "te":
+            raise ValueError("sequence_parallel=True needs the Transformer Engine layer spec (attention_backend "
+                             "'te' on a GPU): megatron-core's local layers use torch norms, which refuse sequence "
+                             "parallelism; set sequence_parallel=False")
         self.precision = resolve_precision(precision, fp8, fp8_recipe, cuda=cuda, te_available=te,
                                            compute_capability=cc)
+        if self.precision.fp8 and self.attention_backend != "te":
+            raise ValueError(f"fp8 runs on Transformer Engine layers: set attention_backend='te' (or 'auto'), "
+                             f"not {attention_backend!r}")
         from m2po_megatron.models.hf_config import read_hf_config
 
         self.hf_source = hf_model_dir if hf_model_dir is not None else hf_config
@@ -179,8 +189,8 @@ class MegatronActor:
             pipeline_model_parallel_size=pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
             fp8=pr.fp8, fp8_recipe=pr.fp8_recipe, **_recompute_overrides(
                 recompute_granularity, recompute_method, recompute_num_layers))
-        self.use_te = bool(cuda and te)
-        chunks = build_model_chunks(self.spec, self.config, use_te=self.use_te)
+        chunks = build_model_chunks(self.spec, self.config, attention_backend=self.attention_backend)
+        self.device = next(chunks[0].parameters()).device  # where every micro-batch input goes
         # Row lengths must divide by TP for sequence parallelism.
         self.pad_multiple = self.tp_size if self.config.sequence_parallel else 1
         # Pipeline stages exchange activations of a fixed shape: every micro-batch of a call is padded to
@@ -284,29 +294,13 @@ class MegatronActor:
         return out
 
     # ------------------------------------------------------------------ forward plumbing
-    def _mb_inputs(self, mb: MicroBatch):
-        tokens, pos = mb.tokens, mb.position_ids
-        if self.use_te:
-            from megatron.core.packed_seq_params import PackedSeqParams
-
-            cu = mb.cu_seqlens()
-            dev = torch.cuda.current_device()
-            cu = cu.to(dev)
-            maxlen = int((cu[1:] - cu[:-1]).max())
-            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=maxlen,
-                                  max_seqlen_kv=maxlen)
-            return tokens.to(dev), pos.to(dev), None, psp
-        return tokens, pos, mb.attention_mask(), None
-
     def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool):
         """Run megatron's schedule over this rank's micro-batches; loss_fn(mb, logits) on the last stage."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator: Iterator, model):
             mb = next(data_iterator)
-            tokens, pos, mask, psp = self._mb_inputs(mb)
-            out = model(tokens, pos, mask, packed_seq_params=psp)
-            return out, partial(loss_fn, mb)
+            return model(**model_inputs(mb, self.device, self.attention_backend)), partial(loss_fn, mb)
 
         fb = get_forward_backward_func()
         seq_len = max(m.seq_len for m in mbs)
@@ -323,11 +317,9 @@ class MegatronActor:
 
     def _token_logps(self, mb: MicroBatch, logits: torch.Tensor, with_entropy: bool):
         """Response-token log-probs [R] (with grad) and entropy [R] (no grad) from [1, S, V/tp] logits."""
-        pos = mb.logprob_positions.to(logits.device)
-        sel = logits[0].index_select(0, pos)  # [R, V/tp]: only the response positions
-        ent = vocab_parallel_entropy(sel, self.tp_group) if with_entropy else None
-        tgt = mb.labels[0].to(logits.device).index_select(0, pos)
-        return vocab_parallel_log_probs(sel, tgt, self.tp_group), ent
+        pos = mb.logprob_positions
+        lp, ent = token_log_probs(logits[0], pos, mb.labels[0].index_select(0, pos), self.tp_group)
+        return lp, (ent if with_entropy else None)
 
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()

@@ -1,36 +1,101 @@
-"""Per-token log-probs and entropy from vocabulary-parallel logits.
+"""Per-token log-probs and entropy from vocabulary-parallel logits, without full-vocabulary fp32 copies.
 
-Each tensor-parallel rank holds logits for its slice of the vocabulary. The log-prob of the target token
-uses megatron-core's vocab_parallel_cross_entropy (all-reduces of max, target logit and sum-exp; its own
-backward), so the full vocabulary is never gathered on one rank. The entropy (a diagnostic, no gradient)
-uses the same three all-reduces: H = log Z + m - sum(exp(l - m) * l) / Z.
+Each tensor-parallel rank holds the logits of its slice of the vocabulary ([S, V/tp], bf16 on GPU). One
+autograd function reads the rows that predict response tokens in chunks of a fixed byte budget, in fp32,
+and keeps per row only a local max, the sum of exp, the sum of exp * logit and the target's logit. Two
+all-reduces over the tensor-parallel group (max, then the three sums rescaled to the global max) give
+
+    log p(target) = l_t - m - log Z,   H = log Z - sum_j exp(l_j - m) (l_j - m) / Z,   Z = sum_j exp(l_j - m)
+
+so the vocabulary is never gathered on one rank. Backward recomputes softmax chunk by chunk from the saved
+logits and the saved log-normaliser: d log p(t) / d l_j = [j == t] - p_j. Extra memory: the chunk
+temporaries (a few x `chunk_bytes`) and, in backward, the logits' gradient in the logits' dtype; no
+[S, V] fp32 tensor exists at any time. The entropy is a diagnostic and carries no gradient.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-
-def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, tp_group=None) -> torch.Tensor:
-    """logits [N, V/tp] (any float dtype), target [N] global token ids -> log p(target) [N] in fp32, with
-    gradient. The input is copied first: megatron's kernel works in place on its argument."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    # The kernel expects [s, b, v]; one fake batch dimension.
-    nll = vocab_parallel_cross_entropy(logits.float().clone().unsqueeze(1), target.unsqueeze(1), tp_group=tp_group)
-    return -nll.squeeze(1)
+CHUNK_BYTES = 64 * 1024**2  # fp32 bytes of one chunk of logit rows
 
 
-@torch.no_grad()
-def vocab_parallel_entropy(logits: torch.Tensor, tp_group=None) -> torch.Tensor:
-    """logits [N, V/tp] -> entropy of the full softmax [N] in fp32 (no gradient)."""
-    x = logits.detach().float()
-    m = x.max(dim=-1).values
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-    e = torch.exp(x - m.unsqueeze(-1))
-    sums = torch.stack([e.sum(-1), (e * x).sum(-1)])
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(sums, group=tp_group)
-    z, s1 = sums[0], sums[1]
-    return torch.log(z) + m - s1 / z
+def _chunks(n: int, vocab: int, chunk_bytes: int):
+    rows = max(1, int(chunk_bytes) // (4 * max(1, vocab)))
+    for s in range(0, n, rows):
+        yield s, min(n, s + rows)
+
+
+def _tp(group) -> tuple[int, int]:
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, positions, target, tp_group, chunk_bytes):
+        n, vp = positions.numel(), logits.size(-1)
+        tp, tp_rank = _tp(tp_group)
+        local = target - tp_rank * vp  # this rank's column of the target, when it holds it
+        owned = (local >= 0) & (local < vp)
+        local = torch.where(owned, local, torch.zeros_like(local))
+        dev = logits.device
+        m = torch.empty(n, dtype=torch.float32, device=dev)
+        sums = torch.zeros(3, n, dtype=torch.float32, device=dev)  # sum exp, sum exp * (l - m), l_t - m
+        for s, e in _chunks(n, vp, chunk_bytes):
+            x = logits.index_select(0, positions[s:e]).float()
+            mc = x.max(dim=-1).values
+            x.sub_(mc.unsqueeze(-1))
+            m[s:e] = mc
+            sums[2, s:e] = x.gather(-1, local[s:e].unsqueeze(-1)).squeeze(-1)
+            ex = x.exp()
+            sums[0, s:e] = ex.sum(-1)
+            sums[1, s:e] = (ex * x).sum(-1)
+            del x, ex
+        sums[2] = torch.where(owned, sums[2], torch.zeros_like(sums[2]))
+        if tp > 1:  # move every rank's partial sums to the global max, then add them up
+            g = m.clone()
+            dist.all_reduce(g, op=dist.ReduceOp.MAX, group=tp_group)
+            shift = m - g
+            scale = torch.exp(shift)
+            sums[1] = scale * (sums[1] + shift * sums[0])
+            sums[0] = scale * sums[0]
+            sums[2] = torch.where(owned, sums[2] + shift, sums[2])
+            dist.all_reduce(sums, group=tp_group)
+            m = g
+        log_z = torch.log(sums[0])
+        logp = sums[2] - log_z
+        entropy = log_z - sums[1] / sums[0]
+        ctx.save_for_backward(logits, positions, local, owned, m + log_z)
+        ctx.chunk_bytes = chunk_bytes
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        logits, positions, local, owned, lse = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        if grad_logp is None:
+            return grad, None, None, None, None
+        g = grad_logp.float()
+        for s, e in _chunks(positions.numel(), logits.size(-1), ctx.chunk_bytes):
+            p = logits.index_select(0, positions[s:e]).float().sub_(lse[s:e].unsqueeze(-1)).exp_()
+            p.mul_(-g[s:e].unsqueeze(-1))
+            p.scatter_add_(-1, local[s:e].unsqueeze(-1), (g[s:e] * owned[s:e]).unsqueeze(-1))
+            grad.index_copy_(0, positions[s:e], p.to(grad.dtype))
+            del p
+        return grad, None, None, None, None
+
+
+def token_log_probs(logits: torch.Tensor, positions: torch.Tensor, target: torch.Tensor, tp_group=None,
+                    chunk_bytes: int = CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [S, V/tp] (any float dtype, this rank's vocabulary slice), positions [R] distinct rows of
+    `logits`, target [R] global token ids -> (log p(target) [R] fp32 with gradient, entropy [R] fp32
+    without). Rows outside `positions` get a zero gradient."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [S, V/tp], got shape {tuple(logits.shape)}")
+    if positions.shape != target.shape or positions.dim() != 1:
+        raise ValueError(f"positions {tuple(positions.shape)} and target {tuple(target.shape)} must be equal 1-D")
+    return _TokenLogProbs.apply(logits, positions.to(logits.device, torch.long),
+                                target.to(logits.device, torch.long), tp_group, int(chunk_bytes))

@@ -1,9 +1,10 @@
 """Pure packing logic: mini-batch split, data-parallel sharding, and micro-batches by a token budget.
 
 Sequences are packed several to a row (one row = one micro-batch). Each sequence keeps its own position
-ids and sees only itself through a block-diagonal causal mask (local spec) or cu_seqlens (Transformer
-Engine THD format), so the only padding is rounding a row up to a multiple of the tensor-parallel size
-(needed by sequence parallelism). Nothing here touches torch.distributed.
+ids and sees only itself: through cu_seqlens (THD format, the "te" and "sdpa" attention backends) or a dense
+block-diagonal causal mask (the "local" backend), so the only padding is rounding a row up to a multiple of
+the tensor-parallel size (needed by sequence parallelism). `model_inputs` is the one place that puts a
+row on the model's device. Nothing here touches torch.distributed.
 """
 from __future__ import annotations
 
@@ -157,6 +158,30 @@ def build_microbatch(batch: TrainBatch, indices: Sequence[int], pad_multiple: in
     if s > used:
         pos[0, used:] = torch.arange(s - used)
     return MicroBatch(tokens, pos, labels, list(indices), offsets, lens, plens, torch.cat(lp_pos), s - used)
+
+
+def model_inputs(mb: MicroBatch, device, attention_backend: str) -> dict:
+    """GPTModel.forward's keyword arguments for one packed row, on `device` (the model's device).
+
+    "te" / "sdpa": THD packing (`PackedSeqParams` with cu_seqlens, no mask). TE's kernels read cu_seqlens on
+    the device; the sdpa backend and megatron's THD RoPE only split by it in Python, so it stays on the host
+    there (no device synchronisation per layer). "local": the dense [1, 1, S, S] mask (True = masked)."""
+    dev = torch.device(device)
+    out = {"input_ids": mb.tokens.to(dev), "position_ids": mb.position_ids.to(dev)}
+    if attention_backend == "local":
+        out.update(attention_mask=mb.attention_mask().to(dev), packed_seq_params=None)
+        return out
+    if attention_backend not in ("te", "sdpa"):
+        raise ValueError(f"attention_backend={attention_backend!r}: use 'te', 'sdpa' or 'local'")
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = mb.cu_seqlens()
+    longest = int((cu[1:] - cu[:-1]).max())
+    if attention_backend == "te":
+        cu = cu.to(dev)
+    out.update(attention_mask=None, packed_seq_params=PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest))
+    return out
 
 
 def plan_microbatches(

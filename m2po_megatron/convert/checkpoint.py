@@ -120,7 +120,7 @@ def _build_meta(spec: HFModelSpec, dtype: torch.dtype):
     tc = transformer_config_from_hf(spec, params_dtype=dtype, pipeline_dtype=dtype, perform_initialization=False,
                                     use_cpu_initialization=True)
     with torch.device("meta"):
-        model = build_gpt_model(spec, tc, use_te=False)
+        model = build_gpt_model(spec, tc, attention_backend="local")
     real = [n for n, p in model.named_parameters() if not p.is_meta]
     if real:
         raise RuntimeError(f"parameters were allocated off the meta device ({real[:3]}); conversion would write "

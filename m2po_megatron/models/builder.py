@@ -1,4 +1,5 @@
-"""HF config -> Megatron TransformerConfig and GPTModel (local spec on CPU, Transformer Engine spec on GPU).
+"""HF config -> Megatron TransformerConfig and GPTModel (Transformer Engine spec where TE is usable, else megatron's
+local layers with fused SDPA attention; see resolve_attention_backend).
 
 Megatron is imported inside the functions; callers must have initialized Megatron's parallel state
 (m2po_megatron.actor.parallel.init_distributed) before building a model."""
@@ -110,21 +111,57 @@ def validate_layout(spec: HFModelSpec, tp: int, pp: int, vpp: int | None = None)
                          f" * virtual_pipeline_model_parallel_size = {stages}")
 
 
-def layer_spec(spec: HFModelSpec, use_te: bool | None = None):
-    """Megatron layer spec: Transformer Engine when usable (GPU), else the local pure-PyTorch spec."""
+ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local")
+
+
+def resolve_attention_backend(requested: str | None = "auto", *, cuda: bool | None = None,
+                              te: bool | None = None) -> str:
+    """The attention backend a model is built with (pure when cuda and te are given):
+    "te": Transformer Engine layers (fused attention on THD packed rows, FP8, sequence parallel), GPU only;
+    "sdpa": megatron's local layers with PyTorch's fused SDPA per packed sequence (models.attention), any device;
+    "local": megatron's own DotProductAttention with a dense block-diagonal mask (stores S x S scores per layer;
+    a reference, quadratic in the row length). "auto" (or None) is "te" where TE is usable, else "sdpa"."""
+    if cuda is None:
+        cuda = has_cuda()
+    if te is None:
+        te = cuda and importlib.util.find_spec("transformer_engine") is not None
+    requested = requested or "auto"
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={requested!r}: use one of {ATTENTION_BACKENDS}")
+    if requested == "auto":
+        return "te" if (cuda and te) else "sdpa"
+    if requested == "te" and not (cuda and te):
+        raise ValueError("attention_backend='te' needs Transformer Engine on a CUDA GPU (not usable here); "
+                         "use 'sdpa' or 'auto'")
+    return requested
+
+
+def layer_spec(spec: HFModelSpec, attention_backend: str | None = None):
+    """Megatron layer spec for a resolved attention backend (see resolve_attention_backend)."""
+    import dataclasses
+
     from megatron.core.models.gpt import gpt_layer_specs as s
 
-    if use_te is None:
-        use_te = te_available()
-    if use_te:
+    backend = resolve_attention_backend(attention_backend)
+    if backend == "te":
         return s.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    return s.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    local = s.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    if backend == "local":
+        return local
+    from m2po_megatron.models.attention import PackedSDPAttention
+
+    attn = local.submodules.self_attention
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules,
+                                                                    core_attention=PackedSDPAttention))
+    return dataclasses.replace(local, submodules=dataclasses.replace(local.submodules, self_attention=attn))
 
 
 def build_gpt_model(hf_config: Any, config, *, pre_process: bool | None = None, post_process: bool | None = None,
-                    vp_stage: int | None = None, use_te: bool | None = None, parallel_output: bool = True):
+                    vp_stage: int | None = None, attention_backend: str | None = None,
+                    parallel_output: bool = True):
     """One GPTModel (chunk) for this rank. pre_process/post_process default to this rank being the first/last
-    pipeline stage (for vp_stage when given). Returns the model on the current device."""
+    pipeline stage (for vp_stage when given). attention_backend: see resolve_attention_backend (default:
+    TE where usable, else sdpa). Returns the model on the current device."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -136,7 +173,7 @@ def build_gpt_model(hf_config: Any, config, *, pre_process: bool | None = None, 
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     rs = spec.rope_scaling
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(spec, use_te), vocab_size=spec.vocab_size,
+        config=config, transformer_layer_spec=layer_spec(spec, attention_backend), vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         parallel_output=parallel_output, share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope", rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer()
@@ -157,13 +194,14 @@ def build_gpt_model(hf_config: Any, config, *, pre_process: bool | None = None, 
     return model
 
 
-def build_model_chunks(hf_config: Any, config, *, use_te: bool | None = None) -> list:
+def build_model_chunks(hf_config: Any, config, *, attention_backend: str | None = None) -> list:
     """All model chunks of this rank: one per virtual pipeline stage (a single chunk without VPP)."""
     vpp = config.virtual_pipeline_model_parallel_size
     if not vpp or vpp == 1:
-        return [build_gpt_model(hf_config, config, use_te=use_te)]
-    return [build_gpt_model(hf_config, config, vp_stage=i, use_te=use_te) for i in range(vpp)]
+        return [build_gpt_model(hf_config, config, attention_backend=attention_backend)]
+    return [build_gpt_model(hf_config, config, vp_stage=i, attention_backend=attention_backend) for i in range(vpp)]
 
 
 __all__ = ["transformer_config_from_hf", "build_gpt_model", "build_model_chunks", "layer_spec", "te_available",
+           "ATTENTION_BACKENDS", "resolve_attention_backend",
            "validate_fp8", "validate_layout", "UnsupportedModelError"]

@@ -186,3 +186,128 @@ def recompute_worker(settings):
                      "microbatches": m["num_microbatches"]}
         actor.close()
     return out
+
+
+def _packed_row(vocab: int, lens: list[int], pad: int = 0, seed: int = 3):
+    """One packed micro-batch of sequences of `lens` tokens (+ `pad` trailing padding positions)."""
+    from m2po_megatron.actor.batch import TrainBatch
+    from m2po_megatron.actor.packing import build_microbatch
+
+    g = torch.Generator().manual_seed(seed)
+    b = TrainBatch([torch.randint(0, vocab, (n,), generator=g) for n in lens], [1] * len(lens))
+    mb = build_microbatch(b, list(range(len(lens))))
+    return b, (mb.padded_to(mb.seq_len + pad) if pad else mb)
+
+
+def attention_worker(names, shared_dir):
+    """The sdpa backend against HF transformers (each sequence alone) and against megatron's dense-mask path
+    on one packed row (3 sequences + trailing padding), fp32: logits, and gradients of a fixed random
+    projection of the logits w.r.t. the weights whose layout is the same in HF and Megatron at TP1
+    (embedding, output layer, attention output projection, MLP down projection of every layer)."""
+    from m2po_megatron.actor.packing import model_inputs
+    from m2po_megatron.actor.parallel import init_distributed
+    from m2po_megatron.models import build_gpt_model, load_hf_weights, transformer_config_from_hf
+
+    init_distributed()
+    out = {}
+    for name in names:
+        cfg = tiny_config(name, shared_dir)
+        hf = make_hf_model(cfg)
+        batch, mb = _packed_row(cfg["vocab_size"], [9, 14, 6], pad=3)
+        w = torch.randn(mb.seq_len, cfg["vocab_size"], generator=torch.Generator().manual_seed(5))
+        real = torch.zeros(mb.seq_len, dtype=torch.bool)
+        real[:sum(mb.lengths)] = True
+        # HF: each sequence alone, the same projection of its logits
+        hf.zero_grad()
+        ref_logits = torch.cat([hf(ids[None]).logits[0] for ids in batch.input_ids])
+        (ref_logits * w[real]).sum().backward()
+        pairs = {"embedding.word_embeddings.weight": "model.embed_tokens.weight"}
+        if not cfg.get("tie_word_embeddings"):
+            pairs["output_layer.weight"] = "lm_head.weight"
+        for i in range(cfg["num_hidden_layers"]):
+            pairs[f"decoder.layers.{i}.self_attention.linear_proj.weight"] = f"model.layers.{i}.self_attn.o_proj.weight"
+            pairs[f"decoder.layers.{i}.mlp.linear_fc2.weight"] = f"model.layers.{i}.mlp.down_proj.weight"
+        hf_params = dict(hf.named_parameters())
+        ref_grads = {m: hf_params[h].grad.clone() for m, h in pairs.items()}
+        res = {}
+        for backend in ("sdpa", "local"):
+            model = build_gpt_model(cfg, transformer_config_from_hf(cfg), attention_backend=backend)
+            load_hf_weights(model, hf)
+            logits = model(**model_inputs(mb, "cpu", backend))[0]
+            (logits[real] * w[real]).sum().backward()
+            params = dict(model.named_parameters())
+            grads = {m: params[m].grad.clone() for m in pairs}
+            res[backend] = {"logits": logits[real].detach(), "grads": grads}
+        out[name] = {
+            "hf_logits": float((res["sdpa"]["logits"] - ref_logits.detach()).abs().max()),
+            "dense_logits": float((res["sdpa"]["logits"] - res["local"]["logits"]).abs().max()),
+            "hf_grads": max(float((res["sdpa"]["grads"][m] - ref_grads[m]).abs().max()) for m in pairs),
+            "dense_grads": max(float((res["sdpa"]["grads"][m] - res["local"]["grads"][m]).abs().max())
+                               for m in pairs),
+            "grad_scale": max(float(g.abs().max()) for g in ref_grads.values()),
+            "num_checked": len(pairs),
+        }
+    return out
+
+
+def attention_module_worker():
+    """PackedSDPAttention alone on THD input (GQA 4 query heads / 2 groups at TP1, 3 sequences, a zero-length
+    segment, trailing padding) against a float64 per-sequence causal softmax attention: output and the
+    gradients w.r.t. q, k and v; and on [s, b, n, d] input with a padding mask."""
+    import math
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from m2po_megatron.actor.parallel import init_distributed
+    from m2po_megatron.models.attention import PackedSDPAttention
+    from m2po_megatron.models.builder import transformer_config_from_hf
+
+    init_distributed()
+    cfg = dict(INLINE_QWEN2_UNTIED, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    attn = PackedSDPAttention(transformer_config_from_hf(cfg), 1, AttnMaskType.causal, "self")
+    g = torch.Generator().manual_seed(0)
+    bounds = [0, 5, 5, 12, 20, 23]  # a zero-length sequence; the last segment is padding
+    t, d = bounds[-1], 16
+    q = torch.randn(t, 4, d, generator=g, requires_grad=True)
+    k = torch.randn(t, 2, d, generator=g, requires_grad=True)
+    v = torch.randn(t, 2, d, generator=g, requires_grad=True)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=8, max_seqlen_kv=8)
+    w = torch.randn(t, 4 * d, generator=g)
+    out = attn(q, k, v, None, packed_seq_params=psp)
+    (out * w).sum().backward()
+
+    def reference(q, k, v):
+        outs = []
+        for s0, s1 in zip(bounds[:-1], bounds[1:]):
+            if s1 == s0:
+                continue
+            qi, ki, vi = q[s0:s1], k[s0:s1].repeat_interleave(2, 1), v[s0:s1].repeat_interleave(2, 1)
+            scores = torch.einsum("qhd,khd->hqk", qi, ki) / math.sqrt(d)
+            causal = torch.ones(s1 - s0, s1 - s0, dtype=torch.bool).tril()
+            p = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+            outs.append(torch.einsum("hqk,khd->qhd", p, vi))
+        return torch.cat(outs).reshape(t, -1)
+
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = reference(q64, k64, v64)
+    (ref * w.double()).sum().backward()
+    res = {"thd_out": float((out.double() - ref).abs().max()),
+           "thd_grad": max(float((a.grad.double() - b.grad).abs().max()) for a, b in ((q, q64), (k, k64), (v, v64)))}
+    # [s, b, n, d] with a mask (True = masked): batch of 2, the second padded after 4 tokens
+    s, b = 7, 2
+    qs, ks, vs = (torch.randn(s, b, n, d, generator=g) for n in (4, 2, 2))
+    keep = torch.ones(b, 1, s, s, dtype=torch.bool).tril()
+    keep[1, :, :, 4:] = False
+    keep[1, :, 4:, :] = torch.eye(s, dtype=torch.bool)[4:]  # padded queries see themselves only
+    o = attn(qs, ks, vs, ~keep)
+    ref = []
+    for i in range(b):
+        sc = torch.einsum("qhd,khd->hqk", qs[:, i].double(), ks[:, i].repeat_interleave(2, 1).double()) / math.sqrt(d)
+        p = sc.masked_fill(~keep[i], float("-inf")).softmax(-1)
+        ref.append(torch.einsum("hqk,khd->qhd", p, vs[:, i].repeat_interleave(2, 1).double()).reshape(s, -1))
+    res["sbhd_masked_out"] = float((o.double() - torch.stack(ref, 1)).abs().max())
+    causal = attn(qs, ks, vs, None)
+    res["sbhd_causal_out"] = float((causal - attn(qs, ks, vs, ~torch.ones(b, 1, s, s, dtype=torch.bool).tril())).abs().max())
+    return res

@@ -1,4 +1,4 @@
-"""Pure packing logic: no processes, no Megatron."""
+"""Pure packing logic: no processes (model_inputs builds megatron's PackedSeqParams, nothing else of Megatron)."""
 import random
 
 import pytest
@@ -80,3 +80,31 @@ def test_batch_validation_names_fields():
         b.validate(for_training=False, vocab_size=10)
     sub = b.select([1])
     assert len(sub) == 1 and sub.advantages.shape == (1,)
+
+
+@pytest.mark.parametrize("backend", ["te", "sdpa", "local"])
+def test_model_inputs_go_to_the_given_device(backend):
+    """The one place that puts a row on the model's device, checked on the meta device (which the CPU layer
+    never rewrites, unlike 'cuda'): token ids, positions and the mask or cu_seqlens land there; only the sdpa
+    backend keeps cu_seqlens on the host on purpose (Python-side splits, no device sync per layer)."""
+    import torch
+
+    from m2po_megatron.actor.packing import build_microbatch, model_inputs
+
+    b = TrainBatch([torch.arange(5), torch.arange(3)], [2, 1])
+    mb = build_microbatch(b, [0, 1]).padded_to(10)
+    inp = model_inputs(mb, torch.device("meta"), backend)
+    assert inp["input_ids"].device.type == "meta" and inp["position_ids"].device.type == "meta"
+    assert inp["input_ids"].shape == (1, 10)
+    psp = inp["packed_seq_params"]
+    if backend == "local":
+        assert psp is None and inp["attention_mask"].device.type == "meta"
+        assert inp["attention_mask"].shape == (1, 1, 10, 10)
+    else:
+        assert inp["attention_mask"] is None and psp.qkv_format == "thd"
+        assert psp.cu_seqlens_q.device.type == ("meta" if backend == "te" else "cpu")
+        assert psp.max_seqlen_q == 5
+        if backend == "sdpa":
+            assert psp.cu_seqlens_q.tolist() == [0, 5, 8, 10]  # trailing padding is its own segment
+    with pytest.raises(ValueError, match="attention_backend"):
+        model_inputs(mb, "cpu", "flash")

@@ -92,6 +92,29 @@ def test_cross_field_rules():
     assert "parallel.data_parallel_size" in msg
 
 
+def test_layouts_the_actor_cannot_run_are_refused_at_config_time():
+    assert "parallel.context_parallel_size = 2" in err(None, ["parallel.context_parallel_size=2",
+                                                              "parallel.data_parallel_size=1"])
+    msg = err(None, ["parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2"])
+    assert "parallel.virtual_pipeline_model_parallel_size = 2" in msg and "null" in msg
+    assert "model.params_dtype = fp16" in err(None, ["model.params_dtype=fp16"])
+    sp = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
+    assert "model.attention_backend = te" in err(None, sp + ["model.attention_backend=sdpa"])
+    assert "model.attention_backend = te" in err(None, ["model.fp8=e4m3", "model.attention_backend=local"])
+    assert "model.attention_backend" in err(None, ["model.attention_backend=flash"])
+    msg = err(None, ["cluster.gpus_per_node=6", "cluster.trainer_nodes=2", "parallel.tensor_model_parallel_size=4",
+                     "parallel.data_parallel_size=3"])
+    assert "cluster.gpus_per_node = 6" in msg and "one node" in msg and "trainer GPUs" not in msg
+    # rollout GPUs: tp x dp per server
+    rollout = ["cluster.gpus_per_node=8", "cluster.rollout_nodes=1", "parallel.data_parallel_size=8",
+               "rollout.engine=sglang", "rollout.tp_size=4", "rollout.dp_size=2"]
+    assert load_config(None, rollout).rollout.dp_size == 2
+    msg = err(None, rollout + ["rollout.num_servers=2"])
+    assert "4 x 2 GPUs exceed the 8 rollout GPUs" in msg and "rollout.num_servers = 1" in msg
+    assert "rollout.tp_size x rollout.dp_size = 6" in err(None, rollout[:-1] + ["rollout.dp_size=3",
+                                                                                "rollout.tp_size=2"])
+
+
 def test_model_layout_rules(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(
