@@ -81,11 +81,13 @@ def make_batch(n=6, vocab=256, seed=1, min_len=6, max_len=20, behav_noise=0.3, r
 def hf_log_probs(model, batch):
     """Reference: each sequence alone through transformers, fp32."""
     lps, ents = [], []
+    dev = next(model.parameters()).device
     for ids, p in zip(batch.input_ids, batch.prompt_lens):
+        ids = ids.to(dev)
         logits = model(ids[None]).logits[0].float()
         logp = torch.log_softmax(logits, -1)
-        lps.append(logp[p - 1:-1].gather(-1, ids[p:, None]).squeeze(-1))
-        ents.append(-(logp.exp() * logp).sum(-1)[p - 1:-1])
+        lps.append(logp[p - 1:-1].gather(-1, ids[p:, None]).squeeze(-1).cpu())
+        ents.append(-(logp.exp() * logp).sum(-1)[p - 1:-1].cpu())
     return lps, ents
 
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The GPU check in one command, for a CUDA machine (docs/actor.md, "GPU check"): ends within 8 minutes and
+# prints one JSON summary on stdout (progress on stderr).
+#   tools/gpu_check.sh [--out FILE] [--parts qwen3_1p7b,hf_1p7b,...]   # any benchmarks/gpu_check.py option
+#   tools/gpu_check.sh --download-wheels   # on a machine with network: megatron-core's wheel into .whl/
+# The GPU machine may be bare and offline: benchmarks/gpu_check.py installs megatron-core from .whl/ (git-ignored)
+# when it is not importable. PYTHON selects the interpreter (default python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ "${1:-}" = "--download-wheels" ]; then
+  ver=$(grep -i '^megatron[-_]core==' requirements/lock.txt | cut -d= -f3)
+  exec "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "megatron-core==$ver"
+fi
+export PYTHONUNBUFFERED=1
+# the script keeps its own budget (440 s) and reports what it measured; this is the hard stop behind it
+exec timeout -k 10 470 "$PY" benchmarks/gpu_check.py --budget-s 440 "$@"
