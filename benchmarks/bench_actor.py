@@ -1,9 +1,11 @@
 """Actor throughput on this machine, as ratios to HF transformers in the same run, plus packer padding waste.
 
 CPU: one process (TP1), a tiny Qwen2 (hidden 128, 2 layers, vocab 256), fp32. Reports tokens/s of
-compute_log_probs and of train_step against transformers doing the same work (padded batch forward for
-log-probs; forward+backward+AdamW step with the same policy loss for training). On a GPU add --gpu for MFU
-(bf16, TE spec). Usage: python benchmarks/bench_actor.py [--seqs 32] [--reps 3]
+compute_log_probs against transformers' padded batch forward, and of train_step against the HF peer doing
+the same work on the same batch (benchmarks/hf_peer.py: the M2PO mask's no-grad forward, padded
+micro-batches of the same 2048-token budget, forward+backward with the same loss, AdamW).
+--attention-backend picks the actor's backend (default: the actor's own default). The GPU numbers come
+from benchmarks/gpu_check.py. Usage: python benchmarks/bench_actor.py [--seqs 16] [--reps 3]
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "actor"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def padding_report():
@@ -33,18 +36,20 @@ def padding_report():
     return out
 
 
-def worker(n_seqs, reps, hidden):
+def worker(n_seqs, reps, hidden, backend=None):
     import torch
 
     import actor_workers as w
+    from hf_peer import HFPeer
     from m2po_megatron.actor.actor import MegatronActor
-    from m2po_megatron.algo.losses import policy_loss
 
     cfg = dict(w.INLINE_QWEN2_UNTIED, hidden_size=hidden, intermediate_size=4 * hidden)
     hf = w.make_hf_model(cfg)
     batch = w.make_batch(n=n_seqs, vocab=cfg["vocab_size"], min_len=64, max_len=256, ref_model=hf)
+    hf.set_attn_implementation("sdpa")  # plain HF as users run it (the reference above used eager)
     ntok = sum(batch.lengths)
-    actor = MegatronActor(hf_config=cfg, load_from=hf, micro_batch_tokens=2048, lr=1e-5, loss_name="m2po")
+    kw = {"attention_backend": backend} if backend else {}
+    actor = MegatronActor(hf_config=cfg, load_from=hf, micro_batch_tokens=2048, lr=1e-5, loss_name="m2po", **kw)
 
     def timed(fn):
         fn()  # warm-up
@@ -61,31 +66,14 @@ def worker(n_seqs, reps, hidden):
         logits = hf(ids, attention_mask=am).logits
         return torch.log_softmax(logits.float(), -1)
 
-    opt = torch.optim.AdamW(hf.parameters(), lr=1e-5)
-
-    def hf_train():
-        hf.train()
-        logp = torch.log_softmax(hf(ids, attention_mask=am).logits.float(), -1)[:, :-1]
-        lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        mask = torch.zeros_like(lp, dtype=torch.bool)
-        behav = torch.zeros_like(lp)
-        adv = torch.zeros_like(lp)
-        for i, (p, n) in enumerate(zip(batch.prompt_lens, batch.lengths)):
-            mask[i, p - 1:n - 1] = True
-            behav[i, p - 1:n - 1] = batch.behav_log_probs[i]
-            adv[i, p - 1:n - 1] = batch.advantages[i]
-        loss, _ = policy_loss("m2po", lp, behav, adv, mask)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-        opt.step()
+    peer = HFPeer(hf, batch, 2048, lr=1e-5)
 
     t_hf_lp = timed(hf_lp)
     t_mg_lp = timed(lambda: actor.compute_log_probs(batch))
-    t_hf_tr = timed(hf_train)
+    t_hf_tr = timed(peer.step)
     t_mg_tr = timed(lambda: actor.train_step(batch, num_minibatches=1))
     return dict(tokens=ntok, hf_lp=ntok / t_hf_lp, mg_lp=ntok / t_mg_lp, hf_train=ntok / t_hf_tr,
-                mg_train=ntok / t_mg_tr)
+                mg_train=ntok / t_mg_tr, backend=getattr(actor, "attention_backend", "local (before)"))
 
 
 def main():
@@ -93,6 +81,7 @@ def main():
     ap.add_argument("--seqs", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--attention-backend", default=None, help="sdpa | local | te (default: the actor's)")
     a = ap.parse_args()
     from m2po_megatron.actor.launch import run_multiprocess
 
@@ -100,8 +89,9 @@ def main():
     for budget, (pw, naive, n, lb) in padding_report().items():
         print(f"  budget {budget:6d}: packed {100 * pw:.2f}% ({n} micro-batches, lower bound {lb}); "
               f"sorted padded batching {100 * naive:.2f}%")
-    r = run_multiprocess(worker, 1, args=(a.seqs, a.reps, a.hidden), timeout=1200)[0]
-    print(f"tiny Qwen2 hidden {a.hidden}, {a.seqs} seqs, {r['tokens']} tokens, CPU fp32, 1 thread:")
+    r = run_multiprocess(worker, 1, args=(a.seqs, a.reps, a.hidden, a.attention_backend), timeout=1200)[0]
+    print(f"tiny Qwen2 hidden {a.hidden}, {a.seqs} seqs, {r['tokens']} tokens, CPU fp32, 1 thread, "
+          f"attention backend {r['backend']}:")
     print(f"  compute_log_probs: {r['mg_lp']:.0f} tok/s vs HF {r['hf_lp']:.0f} tok/s -> ratio "
           f"{r['mg_lp'] / r['hf_lp']:.2f}")
     print(f"  train_step:        {r['mg_train']:.0f} tok/s vs HF {r['hf_train']:.0f} tok/s -> ratio "
