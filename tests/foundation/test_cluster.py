@@ -116,3 +116,15 @@ def test_gpu_ranks_get_their_own_device_and_whole_nodes():
     for rank, local, visible, ids, _ in out:
         assert visible.split(",")[local] == ids[0], (rank, local, visible, ids)
     assert out[0][4] == out[1][4] != out[2][4] == out[3][4]
+
+
+def test_a_gpu_index_the_process_cannot_see_is_refused():
+    """torch.cuda.set_device accepts a missing index silently (the first H200 run); select_gpu does not."""
+    import torch
+
+    from m2po_megatron.device import select_gpu
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs; the index check is exercised where there are none")
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=1 but this process sees 0 GPU"):
+        select_gpu(1)
