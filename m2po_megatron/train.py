@@ -183,7 +183,8 @@ def start_rollout_engines(cfg: DictConfig, rdir: Path):
                         port=r.port + i if r.host else 0, tp_size=r.tp_size, dp_size=r.dp_size,
                         mem_fraction_static=r.mem_fraction_static, context_length=r.context_length,
                         dtype=r.dtype, quantization=r.quantization, api_key=api_key,
-                        random_seed=cfg.run.seed + i, weight_version="0")
+                        random_seed=cfg.run.seed + i, weight_version="0",
+                        enable_deterministic_inference=r.deterministic_inference)
              for i in range(r.num_servers)]
     pinned = [nodes[i % len(nodes)] for i in range(r.num_servers)]
     mgr = EngineManager(specs, run_dir=str(rdir), use_ray=True, max_restarts=r.max_restarts,
@@ -263,7 +264,7 @@ def start_trainers(cfg: DictConfig, world: int, rdir: Path):
 def init_weight_sync(cfg: DictConfig, trainers, urls: list[str], generation: int = 0) -> None:
     r = cfg.rollout
     ranks = r.tp_size if r.engine == "sglang" else 1  # engine ranks per server join the group
-    trainers.call("init_weight_sync", urls, secret(r.api_key, "M2PO_API_KEY"), r.bucket_mb, 0, r.update_mode,
+    trainers.call("init_weight_sync", urls, secret(r.api_key, "M2PO_API_KEY"), r.bucket_mb, 0, r.pause_mode,
                   ranks, f"weight_update_group_{generation}", timeout=600)
 
 

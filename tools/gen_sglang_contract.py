@@ -45,6 +45,7 @@ def _jsonable(v):
 def _type_str(tp) -> str:
     s = tp if isinstance(tp, str) else repr(tp)
     s = re.sub(r"<class '([\w.]+)'>", r"\1", s)
+    s = re.sub(r" at 0x[0-9a-f]+>", ">", s)  # reprs of validator objects and functions
     s = re.sub(r"\b(typing|typing_extensions|builtins)\.", "", s)
     return re.sub(r"\b(?:[a-z_][\w]*\.)+([A-Z]\w*)", r"\1", s)  # module paths of SGLang's own classes
 
