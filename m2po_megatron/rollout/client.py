@@ -64,12 +64,15 @@ def version_to_int(v: Any, default: int = 0) -> int:
 
 def build_generate_body(prompt_ids: Sequence[int], sampling_params: dict | None, rid: str,
                         return_logprob: bool = True) -> dict:
-    """The /generate body for one sample (n is expanded by the client). Raises ProtocolError early."""
+    """The /generate body for one sample (n is expanded by the client). Raises ProtocolError early for what
+    an SGLang server started with --skip-tokenizer-init would refuse."""
     sp = dict(sampling_params or {})
     sp.pop("n", None)
     body = {"rid": rid, "input_ids": [int(t) for t in prompt_ids], "sampling_params": sp,
             "return_logprob": bool(return_logprob)}
-    return protocol.validate_request("POST /generate", body)
+    protocol.validate_request("POST /generate", body)
+    protocol.sampling_params(sp, tokenizer=False)
+    return body
 
 
 class _Server:

@@ -215,11 +215,15 @@ class DistributedWeightSync:
                     ntensors += len(tensors)
                     nbuckets += 1
                     bucket = nxt
-            finally:
-                transfer_s = time.perf_counter() - t_transfer
-                self._wait(self._post_all("/end_weight_update", lambda i: {}), "end_weight_update")
-        finally:
-            self._wait(self._post_all("/continue_generation", lambda i: {}), "continue_generation")
+            except BaseException:
+                concurrent.futures.wait(self._post_all("/end_weight_update", lambda i: {}))  # the first error wins
+                raise
+            transfer_s = time.perf_counter() - t_transfer
+            self._wait(self._post_all("/end_weight_update", lambda i: {}), "end_weight_update")
+        except BaseException:
+            concurrent.futures.wait(self._post_all("/continue_generation", lambda i: {}))
+            raise
+        self._wait(self._post_all("/continue_generation", lambda i: {}), "continue_generation")
         seconds = time.perf_counter() - t0
         return {"seconds": seconds, "transfer_seconds": transfer_s, "bytes": nbytes,
                 "gb_per_s": nbytes / 1e9 / max(transfer_s, 1e-9), "num_buckets": nbuckets, "num_tensors": ntensors,

@@ -17,6 +17,12 @@ def test_generate_bodies_validate(sp):
     assert "n" not in body["sampling_params"]  # the client expands n itself
 
 
+@pytest.mark.parametrize("sp", [{"top_p": 1.5}, {"min_new_tokens": 2}, {"stop": ["\n"]}])
+def test_client_refuses_what_the_server_would_refuse(sp):
+    with pytest.raises(protocol.ProtocolError):
+        build_generate_body([1, 2], sp, "rid")
+
+
 def test_weight_sync_bodies_validate():
     protocol.validate_request("POST /init_weights_update_group",
                               init_group_body("10.0.0.1", 29500, 1, 3, "weight_update_group", "gloo"))
@@ -114,7 +120,7 @@ def test_real_sglang_flags_pass():
     ("POST /generate", {"input_ids": [1], "temperature": 1.0}, "unknown field"),
     ("POST /generate", {"input_ids": ["a"]}, "input_ids"),
     ("POST /generate", {"input_ids": [1], "sampling_params": {"max_tokens": 3}}, "max_tokens"),
-    ("POST /generate", {"input_ids": [1], "sampling_params": {"top_p": 1.5}}, "top_p"),
+    ("POST /generate", {"input_ids": [1], "sampling_params": {"top_p": "high"}}, "top_p"),
     ("POST /pause_generation", {"mode": "stop"}, "mode"),
     ("POST /update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"]}, "shapes"),
     ("POST /init_weights_update_group", {"master_address": "h", "master_port": "1", "rank_offset": 1,
