@@ -326,16 +326,20 @@ def make_reward_pool(cfg: DictConfig):
                       format_score=cfg.reward.format_score)
 
 
+def rollout_sampling(cfg: DictConfig) -> dict:
+    """SGLang sampling_params of every training request (the generator adds the per-group seed)."""
+    r = cfg.rollout
+    return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}
+
+
 def make_generator(cfg, client, rewards, tokenizer, prompts, ledger, trainers):
     from m2po_megatron.generation import AsyncGenerator, GroupMaker, SyncGenerator, Tokenize
     from m2po_megatron.staleness import FixedLagQueue, StalenessController
 
     r, s, t = cfg.rollout, cfg.staleness, cfg.train
-    sampling = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-                "max_new_tokens": r.max_new_tokens}
     maker = GroupMaker(client, rewards, tokenizer, Tokenize(tokenizer, cfg.data.apply_chat_template,
                                                             cfg.data.max_prompt_len),
-                       sampling, n=r.n_samples_per_prompt, seed=cfg.run.seed)
+                       rollout_sampling(cfg), n=r.n_samples_per_prompt, seed=cfg.run.seed)
     if s.mode == "bounded":
         ctl = StalenessController(s.max_staleness, groups_per_step=t.prompts_per_step,
                                   updates_per_step=t.updates_per_step, sync_interval=s.sync_interval)

@@ -168,8 +168,9 @@ class LocalServer:
         from m2po_megatron.rollout.protocol import validate_request
 
         raw = await request.read()
-        body = json.loads(raw) if raw.strip() else {}
-        return validate_request(endpoint, body, strict=False)
+        if not raw.strip():
+            raise ValueError(f"{endpoint}: the request body is required (send {{}} for no fields)")
+        return validate_request(endpoint, json.loads(raw), strict=False)
 
     @contextlib.asynccontextmanager
     async def _update_lock(self):
@@ -426,19 +427,19 @@ class LocalServer:
     async def update_distributed(self, request):
         body = await self._body(request, "POST /update_weights_from_distributed")
         names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-        if not len(names) == len(dtypes) == len(shapes):
-            raise ValueError("names, dtypes and shapes must have the same length")
-        name = body.get("group_name", "weight_update_group")
-        pg = self.groups.get(name)
-        if pg is None:
-            raise ValueError(f"no weight update group {name!r}: call /init_weights_update_group first")
-        if body.get("load_format") not in (None, "auto"):
-            raise ValueError(f"load_format {body['load_format']!r} is not supported by the CPU server")
         if body.get("abort_all_requests"):
             self.engine.abort(None, "Abort by weight update")
         async with self._update_lock():
             if self.session is None:  # SGLang answers at once and never joins the broadcast
                 return _answer(False, _NO_SESSION.format("update_weights_from_distributed"))
+            pg = self.groups.get(body.get("group_name", "weight_update_group"))
+            if pg is None or not len(names) == len(dtypes) == len(shapes) \
+                    or body.get("load_format") not in (None, "auto"):
+                why = ("no such weight update group: call /init_weights_update_group first" if pg is None else
+                       f"load_format {body['load_format']!r} is not supported by the CPU server"
+                       if body.get("load_format") not in (None, "auto") else
+                       "names, dtypes and shapes must have the same length")
+                return _answer(False, f"Failed to receive weights: {why}")
             try:
                 tensors = await asyncio.to_thread(_receive, pg, dtypes, shapes)
             except Exception as e:  # noqa: BLE001 - reported like SGLang's receive failure

@@ -126,11 +126,58 @@ def _tokens(s: str) -> list[str]:
     return out
 
 
-def _any(_v):
-    return True
+class _Bad(Exception):
+    pass
 
 
-_SIMPLE: dict[str, Callable[[Any], bool]] = {
+def _strict(test):
+    def conv(v):
+        if not test(v):
+            raise _Bad
+        return v
+    return conv
+
+
+_BOOL_WORDS = {"0": False, "off": False, "f": False, "false": False, "n": False, "no": False,
+               "1": True, "on": True, "t": True, "true": True, "y": True, "yes": True}
+
+
+def _lax_int(v):
+    """pydantic's lax int: ints, bools, integral floats and strings of them ("12", " 12", "12.0")."""
+    if isinstance(v, (bool, int)):
+        return int(v)
+    if isinstance(v, str):
+        try:
+            v = float(v.strip())
+        except ValueError:
+            raise _Bad from None
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    raise _Bad
+
+
+def _lax_float(v):
+    if isinstance(v, (bool, int, float)):
+        return float(v)
+    if not isinstance(v, str):
+        raise _Bad
+    try:
+        return float(v.strip())
+    except ValueError:
+        raise _Bad from None
+
+
+def _lax_bool(v):
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, (int, float)) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in _BOOL_WORDS:
+        return _BOOL_WORDS[v.strip().lower()]
+    raise _Bad
+
+
+_SIMPLE = {
     "str": lambda v: isinstance(v, str),
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
@@ -140,17 +187,19 @@ _SIMPLE: dict[str, Callable[[Any], bool]] = {
     "list": lambda v: isinstance(v, list),
     "NoneType": lambda v: v is None,
     "None": lambda v: v is None,
-    "Any": _any,
+    "Any": lambda v: True,
 }
+_LAX = {"int": _lax_int, "float": _lax_float, "bool": _lax_bool}
 
 
-def _parse(toks: list[str], i: int) -> tuple[Callable[[Any], bool], int]:
+def _parse(toks: list[str], i: int, lax: bool) -> tuple[Callable[[Any], Any], int]:
+    """A converter for the type at toks[i]: returns the (coerced) value or raises _Bad."""
     t = toks[i]
     i += 1
     if t.startswith("<class '"):
-        return _SIMPLE.get(t[8:-2], _any), i
-    if t.startswith("<"):
-        return _any, i
+        t = t[8:-2]
+    elif t.startswith("<"):
+        return (lambda v: v), i
     args: list = []
     if i < len(toks) and toks[i] == "[":
         i += 1
@@ -164,43 +213,72 @@ def _parse(toks: list[str], i: int) -> tuple[Callable[[Any], bool], int]:
                 continue
             if toks[i] == "?":
                 raise ValueError
-            sub, i = _parse(toks, i)
+            sub, i = _parse(toks, i, lax)
             args.append(sub)
         i += 1
     if t in _SIMPLE and not args:
-        return _SIMPLE[t], i
+        return (_LAX[t] if lax and t in _LAX else _strict(_SIMPLE[t])), i
     if t == "Optional":
         a = args[0]
-        return (lambda v: v is None or a(v)), i
+        return (lambda v: None if v is None else a(v)), i
     if t == "Union":
-        return (lambda v: any(a(v) for a in args)), i
+        def union(v):
+            for a in args:
+                try:
+                    return a(v)
+                except _Bad:
+                    pass
+            raise _Bad
+        return union, i
     if t in ("List", "list", "Set", "set"):  # a JSON array either way
-        a = args[0] if args else _any
-        return (lambda v: isinstance(v, list) and all(a(x) for x in v)), i
+        a = args[0] if args else (lambda v: v)
+        return (lambda v: [a(x) for x in v] if isinstance(v, list) else _strict(lambda _: False)(v)), i
     if t in ("Dict", "dict"):
         if len(args) == 2:
             k, val = args
-            return (lambda v: isinstance(v, dict) and all(k(x) and val(y) for x, y in v.items())), i
-        return _SIMPLE["dict"], i
+            return (lambda v: {k(x): val(y) for x, y in v.items()} if isinstance(v, dict)
+                    else _strict(lambda _: False)(v)), i
+        return _strict(_SIMPLE["dict"]), i
     if t == "Literal":
-        return (lambda v: v in args), i
+        return _strict(lambda v: isinstance(v, str) and v in args), i
     if t == "Annotated":
         return args[0], i
-    return _any, i  # a class of SGLang's own
+    return (lambda v: v), i  # a class of SGLang's own
 
 
 @functools.cache
-def type_checker(type_str: str) -> Callable[[Any], bool]:
+def converter(type_str: str, lax: bool = False) -> Callable[[Any], Any]:
+    """value -> value as SGLang's parser reads it (lax: pydantic's coercions of the control endpoints), raising
+    ValueError when it would refuse it."""
     try:
         while re.search(r"\([^()]*\)", type_str):  # drop call arguments, e.g. PlainValidator(fn)
             type_str = re.sub(r"\([^()]*\)", "", type_str)
         toks = _tokens(type_str)
         if "?" in toks[:1]:
-            return _any
-        check, _ = _parse(toks, 0)
-        return check
+            raise ValueError
+        conv, _ = _parse(toks, 0, lax)
     except (ValueError, IndexError):
-        return _any
+        return lambda v: v
+
+    def run(v):
+        try:
+            return conv(v)
+        except _Bad:
+            raise ValueError(f"not a valid {type_str}") from None
+    return run
+
+
+def type_checker(type_str: str) -> Callable[[Any], bool]:
+    """True when SGLang's strict JSON decoding accepts the value for this type."""
+    conv = converter(type_str)
+
+    def check(v):
+        try:
+            conv(v)
+            return True
+        except ValueError:
+            return False
+    return check
 
 
 def validate_request(endpoint: str, body: Any, *, strict: bool = True) -> dict:
@@ -215,18 +293,26 @@ def validate_request(endpoint: str, body: Any, *, strict: bool = True) -> dict:
         cls = contract()["endpoints"][endpoint]["request_class"]
         raise ProtocolError(f"{endpoint}: unknown field(s) {unknown}: not in SGLang's {cls} "
                             f"(sglang {contract()['sglang_version']}); remove them")
+    # /generate passes SGLang's strict contract gate; the control endpoints' request classes are parsed by
+    # pydantic in lax mode ("12" or 12.0 for an int, "yes" or 1 for a bool), so the server coerces there.
+    lax = not strict and endpoint != "POST /generate"
+    out = dict(body)
     for name, spec in fields.items():
         if name not in body:
             if spec["default"] == "<required>":
                 raise ProtocolError(f"{endpoint}: required field {name!r} is missing")
             continue
-        if not type_checker(spec["type"])(body[name]):
-            raise ProtocolError(f"{endpoint}: field {name!r} must be {spec['type']}, got {body[name]!r:.80}")
+        try:
+            out[name] = converter(spec["type"], lax)(body[name])
+        except ValueError:
+            raise ProtocolError(f"{endpoint}: field {name!r} must be {spec['type']}, got {body[name]!r:.80}") \
+                from None
     if endpoint == "POST /generate":
         sps = body.get("sampling_params")
         for sp in sps if isinstance(sps, list) else [sps or {}]:
             validate_sampling_params(sp)
-    return body
+        return body
+    return out if lax else body
 
 
 def validate_sampling_params(sp: Any) -> dict:
