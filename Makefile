@@ -15,9 +15,11 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The contract suite: tests/contract/ in a second environment with the real sglang==0.5.23 and sglang-router
-# (tools/sglang_env.sh; built once per machine outside the checkout). It does not need .venv.
-test-sglang:
-	@py=$$(tools/sglang_env.sh) && env PYTHONPATH=$(CURDIR) $$py -m pytest tests/contract $(PYTEST_ARGS)
+# (tools/sglang_env.sh; built once per machine outside the checkout); the CPU server it compares with runs
+# in .venv, with the project's own pins.
+test-sglang: setup
+	@py=$$(tools/sglang_env.sh) && env PYTHONPATH=$(CURDIR) M2PO_PROJECT_PYTHON=$(CURDIR)/$(PY) \
+		$$py -m pytest tests/contract $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -147,7 +147,8 @@ def flags(parser: argparse.ArgumentParser) -> dict:
             continue
         kind = type(a).__name__
         spec = {"dest": a.dest, "nargs": a.nargs if a.nargs is None or isinstance(a.nargs, (int, str)) else None,
-                "takes_value": a.nargs != 0, "choices": _jsonable(list(a.choices)) if a.choices else None,
+                "takes_value": a.nargs != 0,
+                "choices": sorted(_jsonable(list(a.choices)), key=str) if a.choices else None,  # some are sets
                 "type": getattr(a.type, "__name__", None) if a.type else None, "default": _jsonable(a.default),
                 "action": kind, "aliases": sorted(o for o in a.option_strings if o != a.option_strings[-1]),
                 "deprecated": None}

@@ -39,7 +39,8 @@ def tokenizer_manager(model_dir: str, context_length: int | None, extra_args: tu
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
     from sglang.srt.managers.utils import compute_num_reserved_tokens
-    from sglang.srt.runtime_context import get_serving, publish
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.runtime_context import get_disagg, get_lora, get_serving, publish
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.server_args import prepare_server_args
 
@@ -63,6 +64,11 @@ def tokenizer_manager(model_dir: str, context_length: int | None, extra_args: tu
     tm.tokenized_generate_req_type = TokenizedGenerateReqInput
     tm.fake_bootstrap_room_counter = 0
     tm.rid_to_state = _States()
+    # what the output path reads, set as TokenizerManager.__init__ sets it for this launch
+    tm.disaggregation_mode = DisaggregationMode(get_disagg().disaggregation_mode)
+    tm.enable_lora = get_lora().enable_lora
+    tm.enable_metrics = tm.enable_trace = tm.incremental_streaming_output = False
+    tm.dump_requests_folder = tm.crash_dump_folder = None
     return tm
 
 

@@ -22,7 +22,6 @@ def _sglang_answer(tm, finish, spans, out_ids, logprobs):
     obj = GenerateReqInput(rid="r-1", input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 8},
                            return_logprob=True)
     obj.normalize_batch_and_arguments()
-    tm.rid_to_state = {}
     tm._init_req_state(obj, None)
     state = tm.rid_to_state["r-1"]
     n = len(out_ids)
@@ -43,14 +42,14 @@ def _sglang_answer(tm, finish, spans, out_ids, logprobs):
     return orjson.loads(orjson.dumps(state.out_list[-1]))  # as the route serialises it
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def tm(sglang_http):
+    """The harness's TokenizerManager, with a request table of its own for these requests."""
     tm = sglang_http.tm
-    for name, value in {"enable_metrics": False, "incremental_streaming_output": False,
-                        "dump_requests_folder": None, "crash_dump_folder": None, "request_logger": None}.items():
-        if not hasattr(tm, name):
-            setattr(tm, name, value)
-    return tm
+    saved = tm.rid_to_state
+    tm.rid_to_state = {}
+    yield tm
+    tm.rid_to_state = saved
 
 
 def test_client_reads_sglangs_answer(tm):

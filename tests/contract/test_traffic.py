@@ -6,6 +6,7 @@ health wait) talk to the CPU server through a recording proxy; every recorded re
 SGLang's HTTP layer, which must parse it and answer the status the CPU server answered."""
 import asyncio
 import json
+import pathlib
 import threading
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from tests.contract.conftest import CONTEXT
 
 pytestmark = pytest.mark.timeout(600)
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 class RecordingProxy:
@@ -73,7 +75,8 @@ def _project_traffic(url: str, tiny_model_dir: str) -> None:
     from m2po_megatron.samples import Group
     from m2po_megatron.train import rollout_sampling
 
-    cfg = load_config("recipes/tiny-cpu.yaml", [f"rollout.max_new_tokens={CONTEXT // 4}"])
+    cfg = load_config(ROOT / "recipes" / "tiny-cpu.yaml", [f"rollout.max_new_tokens={CONTEXT // 4}",
+                                                          f"model.hf_path={tiny_model_dir}"], check_files=False)
     wait_healthy(url, timeout_s=120)
     client = SyncRolloutClient([url])
     try:
