@@ -141,7 +141,7 @@ class DataSection:
     eval_paths: list[str] = field(default_factory=list)
     prompt_template: Optional[str] = None  # null = the prepared prompt is used as is
     apply_chat_template: bool = True
-    max_prompt_len: int = 1536
+    max_prompt_len: int = 1534  # + max_new_tokens + 2 must fit the context (SGLang never fills its last 2)
     shuffle_seed: int = 42
 
 

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PINS=requirements/sglang-contract.txt
 PY=${SGLANG_PYTHON:-python3}
-ver=$("$PY" -c 'import sys; assert (3, 10) <= sys.version_info[:2] <= (3, 12), sys.version; print("%d.%d" % sys.version_info[:2])') \
+ver=$("$PY" -c 'import sys; v = sys.version_info[:2]; assert (3, 10) <= v <= (3, 12); print("%d.%d" % v)') \
   || { echo "error: $PY is not Python 3.10-3.12; set SGLANG_PYTHON" >&2; exit 2; }
 key=$( { cat "$PINS"; echo "$ver"; } | sha256sum | cut -c1-16)
 root=${M2PO_CACHE_DIR:-$HOME/.cache/m2po}

@@ -115,6 +115,25 @@ def test_model_layout_rules(tmp_path):
     assert load_config(None, full + ["parallel.recompute_num_layers=7"]).parallel.recompute_num_layers == 7
 
 
+def test_rollout_rules_of_sglang(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(
+        {"architectures": ["Qwen2ForCausalLM"], "num_attention_heads": 28, "num_key_value_heads": 4,
+         "num_hidden_layers": 28, "max_position_embeddings": 4096}))
+    hf = f"model.hf_config={tmp_path / 'm'}"
+    msg = err(tmp_path, [hf, "data.max_prompt_len=1536", "rollout.max_new_tokens=2560"])  # the old recipes
+    assert "last 2 positions" in msg and "data.max_prompt_len to 1534" in msg
+    assert load_config(None, [hf, "data.max_prompt_len=1534", "rollout.max_new_tokens=2560"])
+    msg = err(tmp_path, [hf, "rollout.context_length=3000", "rollout.max_new_tokens=2048"])
+    assert "exceeds rollout.context_length = 3000" in msg
+    assert "use at most 4096" in err(tmp_path, [hf, "rollout.context_length=8192"])
+    assert "eval.max_new_tokens" in err(tmp_path, [hf, "rollout.max_new_tokens=1024", "eval.max_new_tokens=4000"])
+    assert "rollout.num_servers" in err(tmp_path, ["rollout.dp_size=2"])
+    assert "rollout.pause_mode = in_place" in err(tmp_path, ["rollout.update_mode=in_flight"])
+    assert "sglang-router is not used" in err(tmp_path, ["rollout.router=sglang-router"])
+    assert "did you mean 'in_place'" in err(tmp_path, ["rollout.pause_mode=inplace"])
+
+
 def test_all_errors_reported_together():
     msg = err(None, ["train.steps=0", "algo.name=x"])
     assert "train.steps" in msg and "algo.name" in msg

@@ -112,8 +112,8 @@ def test_launch_args_refused_as_sglang_parser_would(args, needle):
 
 def test_real_sglang_flags_pass():
     protocol.check_launch_args(["--cuda-graph-backend-decode", "disabled", "--allow-auto-truncate",
-                                "--admin-api-key", "k", "--enable-deterministic-inference", "--tensor-parallel-size", "2",
-                                "--mem-fraction-static=0.8"])
+                                "--admin-api-key", "k", "--enable-deterministic-inference",
+                                "--tensor-parallel-size", "2", "--mem-fraction-static=0.8"])
 
 
 @pytest.mark.parametrize("endpoint,body,needle", [
