@@ -183,20 +183,32 @@ class LocalServer:
             yield
 
     # ------------------------------------------------------------------ health / info
+    async def _paused_health(self):
+        """As SGLang: its health check is a one-token generation, which waits while generation is paused, so
+        a paused server answers 503 after SGLANG_HEALTH_CHECK_TIMEOUT seconds (20) unless it continues."""
+        from aiohttp import web
+
+        try:
+            await asyncio.wait_for(self.unpaused.wait(), float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20)))
+        except asyncio.TimeoutError:
+            return web.Response(status=503)
+        return None
+
     async def health(self, request):
         from aiohttp import web
 
         if not self.engine.alive():
             return _json_error(503, f"engine stopped: {self.engine.error!r}")
-        return web.Response(status=200)
+        return await self._paused_health() or web.Response(status=200)
 
     async def health_generate(self, request):
         from aiohttp import web
 
         if not self.engine.alive():
             return _json_error(503, f"engine stopped: {self.engine.error!r}")
-        if self.engine.paused or not self.unpaused.is_set():  # a paused engine is healthy
-            return web.Response(status=200)
+        paused = await self._paused_health()
+        if paused is not None:
+            return paused
         from m2po_megatron.rollout.engine import SamplingParams
 
         try:

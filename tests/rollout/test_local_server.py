@@ -321,3 +321,15 @@ def test_update_outside_a_pause_waits_for_running_requests(server):
         assert _post(server.url, "/end_weight_update", {})[0] == 200
     finally:
         client.close()
+
+
+def test_health_waits_while_paused_as_sglangs_does(tiny_model_dir, tmp_path, monkeypatch):
+    """SGLang's health check generates one token, which waits while generation is paused: 503 after
+    SGLANG_HEALTH_CHECK_TIMEOUT seconds (1 here), 200 again once generation continues."""
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")
+    with local_server(tiny_model_dir, tmp_path) as proc:
+        assert _http.request(f"{proc.url}/pause_generation", {"mode": "retract"})[0] == 200
+        assert _http.request(f"{proc.url}/health")[0] == 503
+        assert _http.request(f"{proc.url}/health_generate")[0] == 503
+        assert _http.request(f"{proc.url}/continue_generation", {})[0] == 200
+        assert _http.request(f"{proc.url}/health_generate")[0] == 200
