@@ -50,6 +50,7 @@ def tokenizer_manager(model_dir: str, context_length: int | None, extra_args: tu
     server_args = prepare_server_args(argv)
     publish(server_args, role="tokenizer")
     tm = object.__new__(TokenizerManager)
+    tm.server_args = server_args
     tm.model_config = ModelConfig.from_server_args(server_args)
     tm.context_len = tm.model_config.context_len
     tm.allow_auto_truncate = get_serving().allow_auto_truncate

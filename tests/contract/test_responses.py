@@ -79,3 +79,14 @@ def test_cpu_server_answers_with_the_same_fields(tm, cpu_server):
     assert [len(x) for x in ours["meta_info"]["output_token_logprobs"]] == \
         [len(x) for x in answer["meta_info"]["output_token_logprobs"]]
     assert set(ours["meta_info"]["weight_versions"][0]) == set(answer["meta_info"]["weight_versions"][0])
+
+
+def test_server_info_has_what_the_weight_sync_checks(sglang_http, cpu_server):
+    """DistributedWeightSync.check_servers reads dp_size, tp_size and pp_size from /get_server_info: SGLang's
+    builder (build_server_info over the resolved ServerArgs) writes them, and the CPU server too."""
+    from sglang.srt.utils.common import build_server_info
+
+    real = build_server_info(sglang_http.tm.server_args, {})
+    assert (real["dp_size"], real["tp_size"], real["pp_size"]) == (1, 1, 1)
+    ours = json.loads(_http.request(f"{cpu_server.url}/get_server_info")[1])
+    assert (ours["dp_size"], ours["tp_size"]) == (1, 1) and "api_key" not in ours
