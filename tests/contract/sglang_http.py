@@ -96,6 +96,9 @@ class SGLangHTTP:
         self.client = TestClient(app, raise_server_exceptions=True)
 
     def request(self, method: str, path: str, body=None, *, raw: bytes | None = None) -> tuple[int, str]:
+        from sglang.srt.runtime_context import publish
+
+        publish(self.tm.server_args, role="tokenizer")  # this launch's config (another instance may have published)
         if raw is not None:
             r = self.client.request(method, path, content=raw, headers={"Content-Type": "application/json"})
         else:
