@@ -102,9 +102,8 @@ class Engine:
         seqs = []
         for i in range(n):
             g = torch.Generator()
-            if self.deterministic:
-                seed = DEFAULT_SAMPLING_SEED if sp.sampling_seed is None else sp.sampling_seed
-                g.manual_seed((seed + i) % 2**63)
+            if self.deterministic:  # SGLang's n copies of a request share its seed, so their samples are equal
+                g.manual_seed((DEFAULT_SAMPLING_SEED if sp.sampling_seed is None else sp.sampling_seed) % 2**63)
             else:
                 g.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._seed_rng)))
             seqs.append(Sequence(rid=rid if n == 1 else f"{rid}-{i}", prompt=list(prompt), sp=sp, generator=g,
