@@ -1,9 +1,9 @@
-# The README's two commands. Each does its own set-up (tools/bootstrap.sh) on a fresh machine.
+# The README's commands. Each does its own set-up (tools/bootstrap.sh, tools/sglang_env.sh) on a fresh machine.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup clean
+.PHONY: demo test test-sglang setup clean
 
 setup:
 	@VENV=$(VENV) tools/bootstrap.sh
@@ -13,6 +13,13 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The contract suite: tests/contract/ in a second environment with the real sglang==0.5.23 and sglang-router
+# (tools/sglang_env.sh; built once per machine outside the checkout); the CPU server it compares with runs
+# in .venv, with the project's own pins.
+test-sglang: setup
+	@py=$$(tools/sglang_env.sh) && env PYTHONPATH=$(CURDIR) M2PO_PROJECT_PYTHON=$(CURDIR)/$(PY) \
+		$$py -m pytest tests/contract $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -20,8 +20,7 @@ CORE = [
 ]
 GPU = [
     "transformer-engine[pytorch]>=2.0",
-    "sglang>=0.5.23",
-    "sglang-router>=0.2",
+    "sglang==0.5.23",  # the protocol version the contract pins (m2po_megatron/contracts/)
     # Apex is optional and built from source on clusters; never required.
 ]
 DEV = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.8"]

@@ -143,7 +143,7 @@ def main(argv=None) -> int:
                   f"({base:.1f} tok/s)", flush=True)
 
         named = [(n, p.detach().clone()) for n, p in model.named_parameters()]
-        sync = DistributedWeightSync([server.url], backend="gloo", mode="pause")
+        sync = DistributedWeightSync([server.url], backend="gloo")
         sync.init_group()
         try:
             syncs = [sync.sync(hf_buckets(named, 64 << 20), weight_version=i + 1)["gb_per_s"]

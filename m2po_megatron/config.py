@@ -123,7 +123,6 @@ class RolloutSection:
     context_length: Optional[int] = None
     dtype: str = "auto"
     quantization: Optional[str] = None  # e.g. fp8
-    router: str = "client"  # client (least-outstanding in the client) | sglang-router
     n_samples_per_prompt: int = 8  # GRPO group size
     temperature: float = 1.0
     top_p: float = 1.0
@@ -134,7 +133,8 @@ class RolloutSection:
     max_retries: int = 3
     max_restarts: int = 2
     health_timeout_s: float = 600.0
-    update_mode: str = "pause"  # pause (retract, update, continue) | in_flight
+    pause_mode: str = "retract"  # SGLang /pause_generation mode around each weight update: retract | in_place | abort
+    deterministic_inference: bool = False  # SGLang --enable-deterministic-inference: sampling seeds take effect
     bucket_mb: int = 512
 
 
@@ -144,7 +144,7 @@ class DataSection:
     eval_paths: list[str] = field(default_factory=list)
     prompt_template: Optional[str] = None  # null = the prepared prompt is used as is
     apply_chat_template: bool = True
-    max_prompt_len: int = 1536
+    max_prompt_len: int = 1534  # + max_new_tokens + 2 must fit the context (SGLang never fills its last 2)
     shuffle_seed: int = 42
 
 
@@ -245,8 +245,7 @@ CHOICES = {
     "staleness.mode": ("on_policy", "fixed_lag", "bounded"),
     "staleness.behav_logprob_source": ("engine", "trainer"),
     "rollout.engine": ("local", "sglang"),
-    "rollout.router": ("client", "sglang-router"),
-    "rollout.update_mode": ("pause", "in_flight"),
+    "rollout.pause_mode": ("retract", "in_place", "abort"),
     "optim.lr_schedule": ("constant", "cosine"),
     "logging.wandb_mode": ("online", "offline", "disabled"),
 }
@@ -298,6 +297,16 @@ def _suggest(key: str) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+REMOVED = {
+    "rollout.router": "the client balances over the servers itself (weight sync, pause and abort must reach "
+                      "every server anyway), so sglang-router is not used; delete the key",
+    "rollout.update_mode": "SGLang 0.5.23 cannot update weights while requests run (an update waits for every "
+                           "running request; tokens never change version mid-sequence), so every update pauses; "
+                           "use rollout.pause_mode = in_place to keep running requests and continue them with "
+                           "the new weights",
+}
+
+
 def _check_keys(data: Any, schema: Any, prefix: str, source: str) -> None:
     """Unknown keys fail with the closest valid key (OmegaConf's own message lacks the suggestion)."""
     if not isinstance(data, dict):
@@ -307,6 +316,8 @@ def _check_keys(data: Any, schema: Any, prefix: str, source: str) -> None:
         return
     for key, value in data.items():
         path = f"{prefix}{key}"
+        if path in REMOVED:
+            raise ConfigError(f"{source}: '{path}' was removed: {REMOVED[path]}")
         if key not in names:
             raise ConfigError(f"{source}: unknown key '{path}'{_suggest(path)}")
         sub = getattr(schema, key)
@@ -489,6 +500,7 @@ def validate(cfg: DictConfig, check_files: bool = True) -> None:
     _check_layout(cfg, errors)
     _check_batches(cfg, errors)
     _check_model(cfg, errors, check_files)
+    _check_rollout(cfg, errors)
 
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
@@ -607,11 +619,7 @@ def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
         if p.recompute_method == "block" and n > per_stage:
             errors.append(f"parallel.recompute_num_layers = {n} exceeds the {per_stage} layers of a pipeline "
                           f"stage (recompute_method = block); use at most {per_stage}")
-    ctx = hf.get("max_position_embeddings")
-    need = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-    if ctx and need > ctx and not hf.get("rope_scaling"):
-        errors.append(f"data.max_prompt_len + rollout.max_new_tokens = {need} exceeds the model's "
-                      f"max_position_embeddings = {ctx}; shorten them")
+    _check_context(cfg, hf, errors)
     if cfg.cluster.gpu_memory_gb:
         try:
             from m2po_megatron.memory import estimate_gpu_memory
@@ -642,6 +650,35 @@ def _gpu_attention_backend(requested: str) -> str:
 # ----------------------------------------------------------------------------------------------------
 # Saving
 # ----------------------------------------------------------------------------------------------------
+def _check_context(cfg: DictConfig, hf: dict, errors: list[str]) -> None:
+    """Every prompt up to data.max_prompt_len must get its full max_new_tokens from SGLang: it answers HTTP 400
+    when prompt + max_new_tokens exceeds the context length, and never generates into the context's last
+    OUTPUT_RESERVED_TOKENS positions (m2po_megatron/rollout/protocol.py)."""
+    from m2po_megatron.rollout.protocol import OUTPUT_RESERVED_TOKENS
+
+    longest = hf.get("max_position_embeddings")
+    r = cfg.rollout
+    if r.context_length and longest and r.context_length > longest and not hf.get("rope_scaling"):
+        errors.append(f"rollout.context_length = {r.context_length} exceeds the model's max_position_embeddings "
+                      f"= {longest} (SGLang refuses to start); use at most {longest}")
+    ctx = r.context_length or (None if hf.get("rope_scaling") else longest)
+    for name, new in (("rollout.max_new_tokens", r.max_new_tokens), ("eval.max_new_tokens", cfg.eval.max_new_tokens)):
+        need = cfg.data.max_prompt_len + (new or 0) + OUTPUT_RESERVED_TOKENS
+        if ctx and new and need > ctx:
+            which = "rollout.context_length" if r.context_length else "the model's max_position_embeddings"
+            errors.append(f"data.max_prompt_len + {name} + {OUTPUT_RESERVED_TOKENS} (SGLang keeps the context's last "
+                          f"{OUTPUT_RESERVED_TOKENS} positions) = {need} exceeds {which} = {ctx}; lower "
+                          f"data.max_prompt_len to {ctx - new - OUTPUT_RESERVED_TOKENS} or {name} to "
+                          f"{ctx - cfg.data.max_prompt_len - OUTPUT_RESERVED_TOKENS}")
+
+
+def _check_rollout(cfg: DictConfig, errors: list[str]) -> None:
+    if cfg.rollout.dp_size > 1:
+        errors.append(f"rollout.dp_size = {cfg.rollout.dp_size}: SGLang 0.5.23 updates weights from distributed "
+                      "only with dp_size 1; set rollout.dp_size = 1 and rollout.num_servers to the number of "
+                      "replicas")
+
+
 def is_secret(key: str) -> bool:
     """Names of credentials (api_key, wandb_api_key, hf_token, secret, password), not metrics such as
     `tokens_per_s/gen` or `staleness/token_mean`."""

@@ -183,7 +183,8 @@ def start_rollout_engines(cfg: DictConfig, rdir: Path):
                         port=r.port + i if r.host else 0, tp_size=r.tp_size, dp_size=r.dp_size,
                         mem_fraction_static=r.mem_fraction_static, context_length=r.context_length,
                         dtype=r.dtype, quantization=r.quantization, api_key=api_key,
-                        random_seed=cfg.run.seed + i, weight_version="0")
+                        random_seed=cfg.run.seed + i, weight_version="0",
+                        enable_deterministic_inference=r.deterministic_inference)
              for i in range(r.num_servers)]
     pinned = [nodes[i % len(nodes)] for i in range(r.num_servers)]
     mgr = EngineManager(specs, run_dir=str(rdir), use_ray=True, max_restarts=r.max_restarts,
@@ -265,7 +266,7 @@ def start_trainers(cfg: DictConfig, world: int, rdir: Path):
 def init_weight_sync(cfg: DictConfig, trainers, urls: list[str], generation: int = 0) -> None:
     r = cfg.rollout
     ranks = r.tp_size * r.dp_size if r.engine == "sglang" else 1  # a server's GPU ranks all join the group
-    trainers.call("init_weight_sync", urls, secret(r.api_key, "M2PO_API_KEY"), r.bucket_mb, 0, r.update_mode,
+    trainers.call("init_weight_sync", urls, secret(r.api_key, "M2PO_API_KEY"), r.bucket_mb, 0, r.pause_mode,
                   ranks, f"weight_update_group_{generation}", timeout=600)
 
 
@@ -327,16 +328,20 @@ def make_reward_pool(cfg: DictConfig):
                       format_score=cfg.reward.format_score)
 
 
+def rollout_sampling(cfg: DictConfig) -> dict:
+    """SGLang sampling_params of every training request (the generator adds the per-group seed)."""
+    r = cfg.rollout
+    return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}
+
+
 def make_generator(cfg, client, rewards, tokenizer, prompts, ledger, trainers):
     from m2po_megatron.generation import AsyncGenerator, GroupMaker, SyncGenerator, Tokenize
     from m2po_megatron.staleness import FixedLagQueue, StalenessController
 
     r, s, t = cfg.rollout, cfg.staleness, cfg.train
-    sampling = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-                "max_new_tokens": r.max_new_tokens}
     maker = GroupMaker(client, rewards, tokenizer, Tokenize(tokenizer, cfg.data.apply_chat_template,
                                                             cfg.data.max_prompt_len),
-                       sampling, n=r.n_samples_per_prompt, seed=cfg.run.seed)
+                       rollout_sampling(cfg), n=r.n_samples_per_prompt, seed=cfg.run.seed)
     if s.mode == "bounded":
         ctl = StalenessController(s.max_staleness, groups_per_step=t.prompts_per_step,
                                   updates_per_step=t.updates_per_step, sync_interval=s.sync_interval)

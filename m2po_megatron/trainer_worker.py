@@ -44,7 +44,7 @@ class TrainerWorker(RankActorBase):
 
     # -- weight sync --------------------------------------------------------------------------------
     def init_weight_sync(self, urls: list[str], api_key: Optional[str], bucket_mb: int, group_port: int,
-                         update_mode: str = "pause", ranks_per_server: int = 1,
+                         pause_mode: str = "retract", ranks_per_server: int = 1,
                          group_name: str = "weight_update_group") -> bool:
         """Global rank 0 is the only sender to the engines: it forms a group with every engine rank (in a
         fixed order) and broadcasts. The other tensor-parallel ranks of data-parallel replica 0 take part
@@ -65,7 +65,7 @@ class TrainerWorker(RankActorBase):
             except RuntimeError as e:  # a restarted server never knew the old group; ours is gone anyway
                 print(f"[m2po] closing the previous weight-sync group: {e}", flush=True)
         self.sync = DistributedWeightSync(urls, master_address=node_ip(), master_port=group_port,
-                                          ranks_per_server=ranks_per_server, mode=update_mode, api_key=api_key,
+                                          ranks_per_server=ranks_per_server, pause_mode=pause_mode, api_key=api_key,
                                           group_name=group_name)
         self.sync.init_group()
         return True

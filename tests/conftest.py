@@ -10,9 +10,13 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+import importlib.util
 import pathlib
 
 import pytest
+
+# tests/contract/ runs in the environment of `make test-sglang` (the real sglang); elsewhere it is not collected.
+collect_ignore = [] if importlib.util.find_spec("sglang") else ["contract"]
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

@@ -129,7 +129,8 @@ def handler(args) -> int:
             if not urls:
                 from m2po_megatron.rollout.launcher import EngineManager, ServerSpec
 
-                mgr = EngineManager([ServerSpec(model_path=args.model_path, engine="local", api_key=args.api_key)]
+                mgr = EngineManager([ServerSpec(model_path=args.model_path, engine="local", api_key=args.api_key,
+                                                enable_deterministic_inference=True)]  # --seed takes effect
                                     * args.num_servers, run_dir=args.out, use_ray=False)
                 cleanup.append(mgr.shutdown)
                 urls = mgr.start()

@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
+import random
 import threading
 import time
 import uuid
@@ -63,12 +64,15 @@ def version_to_int(v: Any, default: int = 0) -> int:
 
 def build_generate_body(prompt_ids: Sequence[int], sampling_params: dict | None, rid: str,
                         return_logprob: bool = True) -> dict:
-    """The /generate body for one sample (n is expanded by the client). Raises ProtocolError early."""
+    """The /generate body for one sample (n is expanded by the client). Raises ProtocolError early for what
+    an SGLang server started with --skip-tokenizer-init would refuse."""
     sp = dict(sampling_params or {})
     sp.pop("n", None)
     body = {"rid": rid, "input_ids": [int(t) for t in prompt_ids], "sampling_params": sp,
             "return_logprob": bool(return_logprob)}
-    return protocol.validate_request("POST /generate", body)
+    protocol.validate_request("POST /generate", body)
+    protocol.sampling_params(sp, tokenizer=False)
+    return body
 
 
 class _Server:
@@ -222,13 +226,15 @@ class RolloutClient:
     async def generate(self, prompt_ids: Sequence[int], sampling_params: dict | None = None, n: int = 1,
                        return_logprob: bool = True) -> list[SampleResult]:
         """n samples of one prompt (token ids), each sent as its own request so they spread across servers
-        (SGLang's prefix cache shares the prompt on one server). With sampling_seed s, sample i uses s + i."""
+        (SGLang's prefix cache shares the prompt on one server). With sampling_seed s, sample i uses s + i;
+        without one each sample gets a random seed, because a server with deterministic inference would give
+        every unseeded request the same seed (42) and so the same sample."""
         sp = dict(sampling_params or {})
         n = int(sp.pop("n", n) if n == 1 else n)
         seed = sp.get("sampling_seed")
         bodies = []
         for i in range(n):
-            spi = dict(sp, sampling_seed=seed + i) if seed is not None else sp
+            spi = dict(sp, sampling_seed=(seed + i if seed is not None else random.getrandbits(62)) % 2**63)
             bodies.append(build_generate_body(prompt_ids, spi, uuid.uuid4().hex, return_logprob))
         self.stats.requests += n
         out = await asyncio.gather(*(self._post_generate(b) for b in bodies))

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from m2po_megatron.rollout import sampling
+from m2po_megatron.rollout.protocol import DEFAULT_SAMPLING_SEED, TOP_K_ALL
 
 
 @dataclasses.dataclass
@@ -56,7 +57,11 @@ class Sequence:
 
 class Engine:
     def __init__(self, model, *, weight_version: str = "default", max_running_requests: int = 256,
-                 context_length: int | None = None, random_seed: int | None = None):
+                 context_length: int | None = None, random_seed: int | None = None,
+                 deterministic: bool = False):
+        """deterministic: SGLang's --enable-deterministic-inference. Only then does a request's sampling_seed
+        choose its samples (a request without one uses seed 42, as SGLang does); otherwise every sample draws
+        from the server's own generator, seeded by random_seed, and sampling_seed is ignored."""
         self.model = model.eval()
         cfg = model.config
         self.num_layers = cfg.num_hidden_layers
@@ -67,6 +72,7 @@ class Engine:
         self.vocab_size = cfg.vocab_size
         self.weight_version = weight_version
         self.max_running = max_running_requests
+        self.deterministic = deterministic
         self._seed_rng = torch.Generator().manual_seed(random_seed if random_seed is not None else 0)
         self.lock = threading.RLock()  # held for each step and for every state change
         self.cond = threading.Condition(self.lock)
@@ -92,14 +98,12 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"input_ids contain ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        if len(prompt) >= self.context_length:
-            raise ValueError(f"the prompt has {len(prompt)} tokens, not below context_length {self.context_length}")
         rid = rid or uuid.uuid4().hex
         seqs = []
         for i in range(n):
             g = torch.Generator()
-            if sp.sampling_seed is not None:
-                g.manual_seed(sp.sampling_seed + i)
+            if self.deterministic:  # SGLang's n copies of a request share its seed, so their samples are equal
+                g.manual_seed((DEFAULT_SAMPLING_SEED if sp.sampling_seed is None else sp.sampling_seed) % 2**63)
             else:
                 g.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._seed_rng)))
             seqs.append(Sequence(rid=rid if n == 1 else f"{rid}-{i}", prompt=list(prompt), sp=sp, generator=g,
@@ -155,6 +159,11 @@ class Engine:
                 self._params[name].copy_(t)
             if weight_version is not None:
                 self.weight_version = str(weight_version)
+
+    def idle(self, ignore_waiting: bool = False) -> bool:
+        """SGLang's is_fully_idle: nothing running (and nothing queued, unless ignore_waiting)."""
+        with self.lock:
+            return not self.running and (ignore_waiting or not self.waiting)
 
     def stats(self) -> dict:
         with self.lock:
@@ -308,17 +317,22 @@ def load_model(model_path: str, dtype: str = "float32"):
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
 
 
-def request_params(sp: dict[str, Any]) -> SamplingParams:
-    """SGLang sampling_params dict -> SamplingParams; known-but-unsupported knobs raise ValueError."""
-    neutral = {"stop": (None, "", []), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
-               "repetition_penalty": (1, 1.0), "logit_bias": (None, {})}
-    unsupported = sorted(k for k, ok in neutral.items() if k in sp and sp[k] not in ok)
+def request_params(sp: dict[str, Any], max_new_tokens: int) -> SamplingParams:
+    """SGLang's normalized sampling params (protocol.sampling_params) -> SamplingParams, with the effective
+    max_new_tokens (protocol.check_lengths). Knobs this CPU server cannot honour (penalties, logit bias,
+    grammars, beam search) raise ValueError (HTTP 400) when set to anything but their neutral value."""
+    neutral = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+               "logit_bias": (None, {}), "json_schema": (None, ""), "regex": (None, ""), "ebnf": (None, ""),
+               "structural_tag": (None, ""), "beam_width": (None, 1), "custom_params": (None, {}),
+               "watermark": (None,), "choice": ([],)}
+    unsupported = sorted(k for k, ok in neutral.items() if sp.get(k) not in ok)
     if unsupported:
         raise ValueError(f"sampling_params {unsupported} are not supported by the CPU server "
-                         "(no tokenizer, no penalties); leave them at SGLang's defaults")
-    mnt = sp.get("max_new_tokens", 128)
-    return SamplingParams(max_new_tokens=128 if mnt is None else mnt, temperature=float(sp.get("temperature", 1.0)),
-                          top_p=float(sp.get("top_p", 1.0)), top_k=int(sp.get("top_k", -1)),
-                          min_p=float(sp.get("min_p", 0.0)), stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
-                          ignore_eos=bool(sp.get("ignore_eos", False)),
-                          min_new_tokens=int(sp.get("min_new_tokens", 0)), sampling_seed=sp.get("sampling_seed"))
+                         "(no tokenizer, no penalties, no grammars); leave them at SGLang's defaults")
+    top_k = int(sp["top_k"])
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=float(sp["temperature"]),
+                          top_p=float(sp["top_p"]), top_k=-1 if top_k >= TOP_K_ALL else top_k,
+                          min_p=float(sp["min_p"]), stop_token_ids=tuple(t for t in sp["stop_token_ids"] or ()
+                                                                         if t is not None),
+                          ignore_eos=bool(sp["ignore_eos"]), min_new_tokens=int(sp["min_new_tokens"]),
+                          sampling_seed=sp["sampling_seed"])

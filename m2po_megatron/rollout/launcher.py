@@ -10,9 +10,8 @@ or attach to servers started elsewhere: EngineManager.attach(urls, api_key=...) 
 
 With use_ray=True each server is a Ray actor (ServerActor) pinned to a rollout node; the actor runs the
 server as a subprocess, keeps its log in run_dir/rollout/, and restarts it (same port) at most max_restarts
-times when it exits. Load balancing: by default the client balances (least outstanding requests per server),
-because weight sync and pause must address every server anyway; an sglang-router can be started in front
-with launch_router() for other consumers."""
+times when it exits. Load balancing is the client's (least outstanding requests per server): weight sync,
+pause and abort must address every server anyway, so no sglang-router sits in front."""
 from __future__ import annotations
 
 import dataclasses
@@ -52,47 +51,49 @@ class ServerSpec:
     random_seed: int | None = None
     max_running_requests: int | None = None
     weight_version: str | None = None
+    enable_deterministic_inference: bool = False  # sampling_seed takes effect only with it (SGLang and ours)
     extra_args: tuple[str, ...] = ()       # further SGLang flags, checked against the contract
 
 
 # Flags our CPU server understands (a subset of SGLang's); anything else is refused for engine="local".
 LOCAL_FLAGS = {"model_path", "host", "port", "api_key", "skip_tokenizer_init", "dtype", "context_length",
                "max_running_requests", "random_seed", "weight_version", "log_level", "tp_size", "dp_size",
-               "mem_fraction_static", "quantization", "trust_remote_code", "served_model_name"}
+               "mem_fraction_static", "quantization", "trust_remote_code", "served_model_name",
+               "enable_deterministic_inference", "allow_auto_truncate"}
 _FIELD_FLAGS = ["tp_size", "dp_size", "mem_fraction_static", "context_length", "dtype", "quantization",
                 "random_seed", "max_running_requests", "weight_version"]
 
 
 def build_command(spec: ServerSpec, python: str = sys.executable) -> list[str]:
-    """argv for the server; every flag is checked against SGLang's launch_server flags (the contract)."""
-    from m2po_megatron.rollout.protocol import launch_flags
+    """argv for the server. Every flag is one of SGLang's (the contract generated from sglang's own parser);
+    extra_args are checked as that parser would check them, and deprecated flags are refused."""
+    from m2po_megatron.rollout.protocol import check_launch_args, launch_flag, launch_flags
 
-    flags = launch_flags()
-    cli_to_name = {v: k for k, v in flags.items()}
     if spec.engine == "sglang":
         cmd = [python, "-m", "sglang.launch_server"]
     elif spec.engine == "local":
         cmd = [python, "-m", "m2po_megatron.rollout.local_server"]
     else:
         raise ValueError(f"engine {spec.engine!r} must be 'local' or 'sglang'")
-    cmd += [flags["model_path"], str(spec.model_path), flags["host"], spec.host, flags["port"], str(spec.port)]
+    cmd += [launch_flag("model_path"), str(spec.model_path), launch_flag("host"), spec.host,
+            launch_flag("port"), str(spec.port)]
     for name in _FIELD_FLAGS:
         v = getattr(spec, name)
         default = {"tp_size": 1, "dp_size": 1, "dtype": "auto"}.get(name)
         if v is not None and v != default:
-            cmd += [flags[name], str(v)]
-    if spec.skip_tokenizer_init:
-        cmd.append(flags["skip_tokenizer_init"])
+            cmd += [launch_flag(name), str(v)]
+    for name in ("skip_tokenizer_init", "enable_deterministic_inference"):
+        if getattr(spec, name):
+            cmd.append(launch_flag(name))
     if spec.api_key:
-        cmd += [flags["api_key"], spec.api_key]
-    for a in spec.extra_args:
-        if a.startswith("--"):
-            name = cli_to_name.get(a.split("=", 1)[0])
-            if name is None:
-                raise ValueError(f"extra_args flag {a!r} is not a flag of sglang.launch_server "
-                                 f"{__import__('m2po_megatron.contracts', fromlist=['x']).load()['sglang_version']}")
-            if spec.engine == "local" and name not in LOCAL_FLAGS:
-                raise ValueError(f"extra_args flag {a!r} is not supported by the CPU server (engine='local')")
+        cmd += [launch_flag("api_key"), spec.api_key]
+    check_launch_args(list(spec.extra_args))
+    if spec.engine == "local":
+        flags = launch_flags()
+        local = [a for a in spec.extra_args if a.startswith("--")
+                 and flags[a.split("=", 1)[0]]["dest"] not in LOCAL_FLAGS]
+        if local:
+            raise ValueError(f"extra_args flag(s) {local} are not supported by the CPU server (engine='local')")
     cmd += list(spec.extra_args)
     return cmd
 
@@ -391,27 +392,3 @@ class EngineManager:
         for u in out:
             wait_healthy(u, api_key=api_key, timeout_s=timeout_s)
         return out
-
-
-def launch_router(worker_urls: Sequence[str], *, host: str = "127.0.0.1", port: int = 0, policy: str = "cache_aware",
-                  log_path: str, python: str = sys.executable) -> tuple[subprocess.Popen, str]:
-    """Start sglang-router (pip package sglang-router) in front of the workers; returns (process, url).
-    Not the default: the client balances itself. Untested here (sglang-router is not installed on CPU)."""
-    port = port or free_port(host)
-    cmd = [python, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--host", host,
-           "--port", str(port), "--policy", policy]
-    log = open(log_path, "a")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://{host}:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise ServerStartError(f"sglang-router exited with {proc.returncode}:\n{log_tail(log_path)}")
-        try:
-            if _http.request(f"{url}/health", timeout=5)[0] == 200:
-                return proc, url
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise ServerStartError(f"sglang-router not healthy after 120 s:\n{log_tail(log_path)}")

@@ -1,9 +1,15 @@
-"""CPU stand-in for an SGLang server: the same HTTP endpoints, request fields and responses (the subset the
-project uses, see docs/rollout.md), so the client, weight sync and training loop are identical on a laptop.
+"""CPU stand-in for an SGLang 0.5.23 server: the same HTTP endpoints, request fields and responses (the subset
+the project uses, see docs/rollout.md), so the client, weight sync and training loop are identical on a laptop.
+Where the two could differ it MIRRORS SGLang, so a CPU test fails where a real server would: weight updates
+only inside a /begin_weight_update ... /end_weight_update session, an update without a pause waits for every
+running request (SGLang's model-update lock) so no sample changes version mid-sequence, over-length requests
+and --skip-tokenizer-init refusals get HTTP 400, unknown top-level fields are ignored, sampling_seed counts
+only with --enable-deterministic-inference, a cache flush is refused while requests run.
 
     python -m m2po_megatron.rollout.local_server --model-path DIR [--host 127.0.0.1] [--port 30000]
         [--api-key KEY] [--skip-tokenizer-init] [--random-seed N] [--context-length N]
-        [--max-running-requests N] [--weight-version V] [--dtype float32]
+        [--max-running-requests N] [--weight-version V] [--dtype float32] [--enable-deterministic-inference]
+        [--allow-auto-truncate]
 
 Flags are named like SGLang's. There is no tokenizer: input_ids in, output_ids out."""
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import hmac
 import io
 import json
@@ -32,6 +39,9 @@ _GENERATE_UNSUPPORTED = {"text": None, "input_embeds": None, "image_data": None,
                          "sampling_logprobs_mode": None, "return_sampling_mask": None, "return_entropy": False,
                          "return_routed_experts": False}
 _HEALTH_PATHS = ("/health", "/health_generate")
+_NO_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
+_NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+                "queued. Retract or finish them, then call /flush_cache.")
 
 
 def _json_error(status: int, message: str):
@@ -41,16 +51,72 @@ def _json_error(status: int, message: str):
                               "message": message}, status=status)
 
 
+def _answer(success: bool, message: str, **extra):
+    """SGLang's answer to a control call: {success, message}, HTTP 200 or 400."""
+    from aiohttp import web
+
+    return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
+
+
+class RWLock:
+    """SGLang's model-update lock (srt/utils/aio_rwlock.py): every /generate holds a reader lock for its whole
+    life; a weight update outside a pause takes the writer lock, so it waits for all running requests, and
+    requests arriving while a writer waits queue behind it."""
+
+    def __init__(self):
+        self._cond = asyncio.Condition()
+        self._readers = 0
+        self._writer = False
+        self._waiting_writers = 0
+
+    @contextlib.asynccontextmanager
+    async def reader(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writer and not self._waiting_writers)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def writer(self):
+        async with self._cond:
+            self._waiting_writers += 1
+            try:
+                await self._cond.wait_for(lambda: not self._writer and not self._readers)
+                self._writer = True
+            finally:
+                self._waiting_writers -= 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+    def locked(self) -> bool:
+        return self._writer or self._readers > 0
+
+
 class LocalServer:
     def __init__(self, engine, args):
         self.engine = engine
         self.args = args
         self.groups: dict[str, object] = {}
-        self._update_lock = asyncio.Lock()
+        self.model_update = RWLock()
+        self.unpaused = asyncio.Event()  # SGLang's is_pause, inverted: /generate waits while it is clear
+        self.unpaused.set()
+        self.session: str | None = None  # the selector of the open weight-update session
+        self._pause_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ app
     def app(self):
         from aiohttp import web
+
+        from m2po_megatron.rollout.protocol import routes
 
         @web.middleware
         async def auth(request, handler):
@@ -61,20 +127,22 @@ class LocalServer:
             return await self._errors_impl(request, handler)
 
         app = web.Application(middlewares=[auth, errors], client_max_size=1 << 31)
-        r = app.router
-        for path, h in [("/health", self.health), ("/health_generate", self.health_generate),
-                        ("/get_model_info", self.model_info), ("/get_server_info", self.server_info),
-                        ("/flush_cache", self.flush_cache)]:
-            r.add_get(path, h)
-            r.add_post(path, h)
-        for path, h in [("/generate", self.generate), ("/init_weights_update_group", self.init_group),
-                        ("/destroy_weights_update_group", self.destroy_group),
-                        ("/update_weights_from_distributed", self.update_distributed),
-                        ("/update_weights_from_tensor", self.update_tensor),
-                        ("/update_weight_version", self.update_weight_version),
-                        ("/pause_generation", self.pause), ("/continue_generation", self.resume),
-                        ("/abort_request", self.abort)]:
-            r.add_post(path, h)
+        handlers = {"/health": self.health, "/health_generate": self.health_generate,
+                    "/get_model_info": self.model_info, "/model_info": self.model_info,
+                    "/get_server_info": self.server_info, "/server_info": self.server_info,
+                    "/flush_cache": self.flush_cache, "/generate": self.generate,
+                    "/init_weights_update_group": self.init_group,
+                    "/destroy_weights_update_group": self.destroy_group,
+                    "/begin_weight_update": self.begin_update, "/end_weight_update": self.end_update,
+                    "/update_weights_from_distributed": self.update_distributed,
+                    "/update_weights_from_tensor": self.update_tensor,
+                    "/update_weight_version": self.update_weight_version,
+                    "/pause_generation": self.pause, "/continue_generation": self.resume,
+                    "/abort_request": self.abort}
+        table = routes()
+        for path, handler in handlers.items():  # exactly SGLang's methods for each path
+            for method in table[path]:
+                app.router.add_route(method, path, handler)
         return app
 
     async def _auth_impl(self, request, handler):
@@ -96,27 +164,51 @@ class LocalServer:
             return _json_error(400, str(e))
 
     async def _body(self, request, endpoint: str) -> dict:
+        """As SGLang's HTTP layer: fields it does not know are ignored, wrong types are refused (400)."""
         from m2po_megatron.rollout.protocol import validate_request
 
         raw = await request.read()
-        body = json.loads(raw) if raw.strip() else {}
-        return validate_request(endpoint, body)
+        if not raw.strip():
+            raise ValueError(f"{endpoint}: the request body is required (send {{}} for no fields)")
+        return validate_request(endpoint, json.loads(raw), strict=False)
+
+    @contextlib.asynccontextmanager
+    async def _update_lock(self):
+        """SGLang's rule for every weight-update call: while paused it runs at once (whoever paused holds the
+        engine still); otherwise it takes the writer lock and so waits for every running request."""
+        if not self.unpaused.is_set():
+            yield
+            return
+        async with self.model_update.writer():
+            yield
 
     # ------------------------------------------------------------------ health / info
+    async def _paused_health(self):
+        """As SGLang: its health check is a one-token generation, which waits while generation is paused, so
+        a paused server answers 503 after SGLANG_HEALTH_CHECK_TIMEOUT seconds (20) unless it continues."""
+        from aiohttp import web
+
+        try:
+            await asyncio.wait_for(self.unpaused.wait(), float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20)))
+        except asyncio.TimeoutError:
+            return web.Response(status=503)
+        return None
+
     async def health(self, request):
         from aiohttp import web
 
         if not self.engine.alive():
             return _json_error(503, f"engine stopped: {self.engine.error!r}")
-        return web.Response(status=200)
+        return await self._paused_health() or web.Response(status=200)
 
     async def health_generate(self, request):
         from aiohttp import web
 
         if not self.engine.alive():
             return _json_error(503, f"engine stopped: {self.engine.error!r}")
-        if self.engine.paused:  # a paused engine is healthy; it would not answer a generation now
-            return web.Response(status=200)
+        paused = await self._paused_health()
+        if paused is not None:
+            return paused
         from m2po_megatron.rollout.engine import SamplingParams
 
         try:
@@ -144,11 +236,29 @@ class LocalServer:
         return web.json_response(info)
 
     async def flush_cache(self, request):
+        """GET/POST /flush_cache?timeout=S, as SGLang: the body is ignored; refused (400) unless nothing runs
+        or waits; with a timeout, waits up to S seconds for that."""
         from aiohttp import web
 
-        if request.method == "POST":
-            await self._body(request, "POST /flush_cache")
-        return web.Response(text="Cache flushed.\n", status=200)  # no prefix cache on CPU: nothing to drop
+        raw = request.query.get("timeout", "0")
+        try:
+            timeout = float(raw)
+        except ValueError:
+            timeout = -1.0
+        if not timeout >= 0:
+            return _json_error(400, f"query parameter timeout={raw!r} must be a number >= 0")
+        deadline = time.monotonic() + timeout
+        while not self.engine.idle():
+            if time.monotonic() >= deadline:
+                return web.Response(status=400, text="Timed out waiting for idle state." if timeout > 0
+                                    else "Flush cache failed.\n")
+            await asyncio.sleep(0.05)
+        return web.Response(status=200, text="Cache flushed.\n")  # no prefix cache on CPU: nothing to drop
+
+    def _flushed(self) -> bool:
+        """SGLang's flush after a weight update: only when nothing runs (waiting requests count unless the
+        engine is paused in place or retracted)."""
+        return self.engine.idle(ignore_waiting=self.engine.paused)
 
     # ------------------------------------------------------------------ generation
     async def _run(self, prompt, sp, n, rid):
@@ -174,6 +284,7 @@ class LocalServer:
     async def generate(self, request):
         from aiohttp import web
 
+        from m2po_megatron.rollout import protocol
         from m2po_megatron.rollout.engine import request_params
 
         body = await self._body(request, "POST /generate")
@@ -183,9 +294,12 @@ class LocalServer:
                              "streaming, output logprobs only); send input_ids")
         ids = body.get("input_ids")
         if ids is None:
-            raise ValueError("input_ids is required (the CPU server runs with skip_tokenizer_init semantics)")
-        batch = ids and isinstance(ids[0], list)
+            raise ValueError("The engine initialized with skip_tokenizer_init=True cannot accept text prompts. "
+                             "Please provide input_ids.")
+        batch = bool(ids) and isinstance(ids[0], list)
         prompts = ids if batch else [ids]
+        if not all(prompts):
+            raise ValueError("input_ids cannot be empty.")
         sps = body.get("sampling_params") or {}
         sps = sps if isinstance(sps, list) else [sps] * len(prompts)
         rids = body.get("rid")
@@ -194,20 +308,23 @@ class LocalServer:
             raise ValueError("sampling_params / rid lists must have one entry per prompt in input_ids")
         rlp = body.get("return_logprob") or False
         rlps = rlp if isinstance(rlp, list) else [rlp] * len(prompts)
-        params = [request_params(sp) for sp in sps]
+        jobs = []
+        for p, raw, rid in zip(prompts, sps, rids):
+            sp = protocol.sampling_params(raw, tokenizer=False, vocab_size=self.engine.vocab_size)
+            kept, max_new = protocol.check_lengths(len(p), raw.get("max_new_tokens"), sp["max_new_tokens"],
+                                                   self.engine.context_length,
+                                                   allow_auto_truncate=self.args.allow_auto_truncate)
+            jobs.append((p[:kept], request_params(sp, max_new), int(sp["n"]), rid or uuid.uuid4().hex))
         if not self.engine.alive():
             return _json_error(503, f"engine stopped: {self.engine.error!r}")
+        await self.unpaused.wait()  # SGLang: new requests wait while generation is paused
         t0 = time.monotonic()
-        jobs = [self._run(p, sp, int(raw.get("n", 1)), rid or uuid.uuid4().hex)
-                for p, sp, raw, rid in zip(prompts, params, sps, rids)]
-        results = await asyncio.gather(*jobs)
-        from m2po_megatron.rollout.protocol import spans_from_versions
-
+        async with self.model_update.reader():
+            results = await asyncio.gather(*(self._run(*job) for job in jobs))
         out = []
         for seqs, want_lp in zip(results, rlps):
             for s in seqs:
-                spans = spans_from_versions(s.versions) or [{"version": self.engine.weight_version, "start": 0,
-                                                             "end": 0}]
+                spans = protocol.spans_from_versions(s.versions, self.engine.weight_version)
                 meta = {"id": s.rid, "finish_reason": s.finish, "prompt_tokens": len(s.prompt),
                         "completion_tokens": len(s.out), "cached_tokens": 0,
                         "weight_version": spans[-1]["version"], "weight_versions": spans,
@@ -215,7 +332,7 @@ class LocalServer:
                 if want_lp:
                     meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.logprobs, s.out)]
                 out.append({"output_ids": list(s.out), "meta_info": meta})
-        single = not batch and int(sps[0].get("n", 1)) == 1
+        single = not batch and int(sps[0].get("n") or 1) == 1
         return web.json_response(out[0] if single else out)
 
     async def abort(self, request):
@@ -234,14 +351,26 @@ class LocalServer:
         from aiohttp import web
 
         body = await self._body(request, "POST /pause_generation")
-        self.engine.pause(body.get("mode", "abort"))
+        mode = body.get("mode", "abort")
+        async with self._pause_lock:
+            self.unpaused.clear()
+            if mode == "abort":  # SGLang aborts everything and returns once no request holds the lock
+                while True:
+                    self.engine.abort(None, "Abort by pause_generation")
+                    if not self.model_update.locked():
+                        break
+                    await asyncio.sleep(0.05)
+            else:
+                self.engine.pause(mode)
         return web.json_response({"success": True, "message": "Generation paused successfully."})
 
     async def resume(self, request):
         from aiohttp import web
 
         await self._body(request, "POST /continue_generation")
-        self.engine.resume()
+        async with self._pause_lock:
+            self.engine.resume()
+            self.unpaused.set()
         return web.json_response({"success": True, "message": "Generation continued successfully."})
 
     # ------------------------------------------------------------------ weights
@@ -277,45 +406,80 @@ class LocalServer:
         destroy_custom_process_group(pg)
         return web.json_response({"success": True, "message": f"Succeeded to destroy group {name}."})
 
-    async def update_distributed(self, request):
-        from aiohttp import web
+    async def begin_update(self, request):
+        body = await self._body(request, "POST /begin_weight_update")
+        async with self._update_lock():
+            if self.session is not None:
+                return _answer(False, "a weight-update session is already open; call end_weight_update() first")
+            self.session = body.get("selector", "all")
+        return _answer(True, "Success")
 
+    async def end_update(self, request):
+        await self._body(request, "POST /end_weight_update")
+        async with self._update_lock():
+            if self.session is None:
+                return _answer(False, "no weight-update session is open; call begin_weight_update() first")
+            self.session = None
+        return _answer(True, "Success")
+
+    def _load(self, body: dict, named) -> tuple[bool, str]:
+        """Load received tensors (a "draft" selector loads nothing: this server has no draft model, as an
+        SGLang server without speculative decoding), record the version, then flush as asked."""
+        if body.get("selector", "all") != "draft":
+            self.engine.load_weights(named, None)
+        if body.get("weight_version") is not None:
+            self.engine.load_weights([], body["weight_version"])
+        if body.get("flush_cache", True) and not self._flushed():
+            return False, _NOT_FLUSHED
+        message = "Succeeded to update parameter online."
+        if body.get("weight_version") is not None:
+            message += f" Weight version updated to {body['weight_version']}."
+        return True, message
+
+    async def update_distributed(self, request):
         body = await self._body(request, "POST /update_weights_from_distributed")
         names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-        if not len(names) == len(dtypes) == len(shapes):
-            raise ValueError("names, dtypes and shapes must have the same length")
-        name = body.get("group_name", "weight_update_group")
-        pg = self.groups.get(name)
-        if pg is None:
-            raise ValueError(f"no weight update group {name!r}: call /init_weights_update_group first")
-        if body.get("load_format") not in (None, "auto"):
-            raise ValueError(f"load_format {body['load_format']!r} is not supported by the CPU server")
-        async with self._update_lock:
-            # Receive every tensor first (generation keeps running meanwhile): refusing midway would leave
-            # the trainer's broadcast waiting for this rank.
-            tensors = await asyncio.to_thread(_receive, pg, dtypes, shapes)
-            if body.get("abort_all_requests"):
-                self.engine.abort(None, "Abort by weight update")
-            self.engine.load_weights(list(zip(names, tensors)), body.get("weight_version"))
-        return web.json_response({"success": True, "message": f"Succeeded to update {len(names)} tensor(s)."})
+        if body.get("abort_all_requests"):
+            self.engine.abort(None, "Abort by weight update")
+        async with self._update_lock():
+            if self.session is None:  # SGLang answers at once and never joins the broadcast
+                return _answer(False, _NO_SESSION.format("update_weights_from_distributed"))
+            pg = self.groups.get(body.get("group_name", "weight_update_group"))
+            if pg is None or not len(names) == len(dtypes) == len(shapes) \
+                    or body.get("load_format") not in (None, "auto"):
+                why = ("no such weight update group: call /init_weights_update_group first" if pg is None else
+                       f"load_format {body['load_format']!r} is not supported by the CPU server"
+                       if body.get("load_format") not in (None, "auto") else
+                       "names, dtypes and shapes must have the same length")
+                return _answer(False, f"Failed to receive weights: {why}")
+            try:
+                tensors = await asyncio.to_thread(_receive, pg, dtypes, shapes)
+            except Exception as e:  # noqa: BLE001 - reported like SGLang's receive failure
+                return _answer(False, f"Failed to receive weights: {e}")
+            try:
+                ok, message = self._load(body, list(zip(names, tensors)))
+            except (KeyError, ValueError) as e:  # after the receive, so the trainer's broadcast completed
+                return _answer(False, f"Failed to update weights: {e}")
+        return _answer(ok, message)
 
     async def update_tensor(self, request):
-        from aiohttp import web
-
         import torch
 
         body = await self._body(request, "POST /update_weights_from_tensor")
         if body.get("load_format") not in (None, "auto"):
             raise ValueError(f"load_format {body['load_format']!r} is not supported by the CPU server")
-        payload = base64.b64decode(body["serialized_named_tensors"][0])  # TP rank 0's share; CPU has one rank
-        named = torch.load(io.BytesIO(payload), weights_only=True)
-        if not isinstance(named, (list, tuple)) or not all(isinstance(x, (list, tuple)) and len(x) == 2 for x in named):
-            raise ValueError("serialized_named_tensors[0] must be torch.save([(name, tensor), ...]) in base64")
-        async with self._update_lock:
-            if body.get("abort_all_requests"):
-                self.engine.abort(None, "Abort by weight update")
-            self.engine.load_weights([(str(n), t) for n, t in named], body.get("weight_version"))
-        return web.json_response({"success": True, "message": f"Succeeded to update {len(named)} tensor(s)."})
+        if body.get("abort_all_requests"):
+            self.engine.abort(None, "Abort by weight update")
+        async with self._update_lock():
+            if self.session is None:
+                return _answer(False, _NO_SESSION.format("update_weights_from_tensor"))
+            payload = base64.b64decode(body["serialized_named_tensors"][0])  # TP rank 0's share; one rank
+            named = torch.load(io.BytesIO(payload), weights_only=True)
+            if not isinstance(named, (list, tuple)) or not all(isinstance(x, (list, tuple)) and len(x) == 2
+                                                               for x in named):
+                raise ValueError("serialized_named_tensors[0] must be torch.save([(name, tensor), ...]) in base64")
+            ok, message = self._load(body, [(str(n), t) for n, t in named])
+        return _answer(ok, message)
 
     async def update_weight_version(self, request):
         from aiohttp import web
@@ -324,7 +488,8 @@ class LocalServer:
         if body.get("abort_all_requests", True):
             self.engine.abort(None, "Abort by weight version update")
         self.engine.load_weights([], body["new_version"])
-        return web.json_response({"success": True, "message": f"weight version {body['new_version']}"})
+        return web.json_response({"success": True, "message": f"Weight version updated to {body['new_version']}",
+                                  "new_version": body["new_version"]})
 
 
 def _receive(pg, dtypes, shapes):
@@ -366,6 +531,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", default=None, help="must be unset on CPU")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="as SGLang: only then does sampling_seed choose a request's samples (default seed 42)")
+    p.add_argument("--allow-auto-truncate", action="store_true",
+                   help="as SGLang: truncate over-length requests instead of answering 400")
     return p
 
 
@@ -403,8 +572,13 @@ def main(argv=None) -> int:
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
     model = load_model(args.model_path, args.dtype)
+    longest = getattr(model.config, "max_position_embeddings", None)
+    if args.context_length and longest and args.context_length > longest:  # SGLang refuses it at start-up too
+        sys.exit(f"--context-length {args.context_length} is longer than the model's max_position_embeddings "
+                 f"{longest}; use at most {longest}")
     engine = Engine(model, weight_version=args.weight_version, max_running_requests=args.max_running_requests or 256,
-                    context_length=args.context_length, random_seed=args.random_seed)
+                    context_length=args.context_length, random_seed=args.random_seed,
+                    deterministic=args.enable_deterministic_inference)
 
     async def start():
         server = LocalServer(engine, args)

@@ -105,14 +105,14 @@ def test_layouts_the_actor_cannot_run_are_refused_at_config_time():
     msg = err(None, ["cluster.gpus_per_node=6", "cluster.trainer_nodes=2", "parallel.tensor_model_parallel_size=4",
                      "parallel.data_parallel_size=3"])
     assert "cluster.gpus_per_node = 6" in msg and "one node" in msg and "trainer GPUs" not in msg
-    # rollout GPUs: tp x dp per server
+    # rollout GPUs: tp x dp per server (dp_size > 1 is refused for SGLang's distributed weight sync)
     rollout = ["cluster.gpus_per_node=8", "cluster.rollout_nodes=1", "parallel.data_parallel_size=8",
-               "rollout.engine=sglang", "rollout.tp_size=4", "rollout.dp_size=2"]
-    assert load_config(None, rollout).rollout.dp_size == 2
-    msg = err(None, rollout + ["rollout.num_servers=2"])
-    assert "4 x 2 GPUs exceed the 8 rollout GPUs" in msg and "rollout.num_servers = 1" in msg
-    assert "rollout.tp_size x rollout.dp_size = 6" in err(None, rollout[:-1] + ["rollout.dp_size=3",
-                                                                                "rollout.tp_size=2"])
+               "rollout.engine=sglang", "rollout.tp_size=4"]
+    assert load_config(None, rollout + ["rollout.num_servers=2"]).rollout.num_servers == 2
+    msg = err(None, rollout + ["rollout.num_servers=3"])
+    assert "4 x 1 GPUs exceed the 8 rollout GPUs" in msg and "rollout.num_servers = 2" in msg
+    assert "rollout.tp_size x rollout.dp_size = 3" in err(None, rollout[:-1] + ["rollout.tp_size=3"])
+    assert "rollout.dp_size = 2" in err(None, rollout + ["rollout.dp_size=2"])
 
 
 def test_model_layout_rules(tmp_path):
@@ -136,6 +136,25 @@ def test_model_layout_rules(tmp_path):
     assert "use at most 14" in err(tmp_path, full + ["parallel.recompute_method=block",
                                                      "parallel.recompute_num_layers=15"])
     assert load_config(None, full + ["parallel.recompute_num_layers=7"]).parallel.recompute_num_layers == 7
+
+
+def test_rollout_rules_of_sglang(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(
+        {"architectures": ["Qwen2ForCausalLM"], "num_attention_heads": 28, "num_key_value_heads": 4,
+         "num_hidden_layers": 28, "max_position_embeddings": 4096}))
+    hf = f"model.hf_config={tmp_path / 'm'}"
+    msg = err(tmp_path, [hf, "data.max_prompt_len=1536", "rollout.max_new_tokens=2560"])  # the old recipes
+    assert "last 2 positions" in msg and "data.max_prompt_len to 1534" in msg
+    assert load_config(None, [hf, "data.max_prompt_len=1534", "rollout.max_new_tokens=2560"])
+    msg = err(tmp_path, [hf, "rollout.context_length=3000", "rollout.max_new_tokens=2048"])
+    assert "exceeds rollout.context_length = 3000" in msg
+    assert "use at most 4096" in err(tmp_path, [hf, "rollout.context_length=8192"])
+    assert "eval.max_new_tokens" in err(tmp_path, [hf, "rollout.max_new_tokens=1024", "eval.max_new_tokens=4000"])
+    assert "rollout.num_servers" in err(tmp_path, ["rollout.dp_size=2"])
+    assert "rollout.pause_mode = in_place" in err(tmp_path, ["rollout.update_mode=in_flight"])
+    assert "sglang-router is not used" in err(tmp_path, ["rollout.router=sglang-router"])
+    assert "did you mean 'in_place'" in err(tmp_path, ["rollout.pause_mode=inplace"])
 
 
 def test_all_errors_reported_together():

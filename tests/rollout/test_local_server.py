@@ -13,12 +13,14 @@ from m2po_megatron.rollout.weight_sync import DistributedWeightSync, hf_buckets
 from tests.rollout.conftest import hf_logprobs, local_server
 
 KEY = "test-secret-key"
+CONTEXT = 700  # --context-length of the module's server
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    with local_server(tiny_model_dir, tmp_path_factory.mktemp("logs"), api_key=KEY, random_seed=0) as proc:
+    with local_server(tiny_model_dir, tmp_path_factory.mktemp("logs"), api_key=KEY, random_seed=0,
+                      enable_deterministic_inference=True, context_length=CONTEXT) as proc:
         yield proc
 
 
@@ -88,14 +90,47 @@ def test_server_side_n_and_batch(server):
 
 
 @pytest.mark.parametrize("body,needle", [
-    ({"input_ids": [1, 2], "max_new_tokens": 3}, "unknown field"),
     ({"input_ids": [1, 2], "sampling_params": {"max_tokens": 3}}, "max_tokens"),
     ({"text": "hello"}, "not supported"),
     ({"input_ids": [1, 99999]}, "outside the vocabulary"),
+    ({"input_ids": [1, 2], "sampling_params": {"min_new_tokens": 1}}, "skip_tokenizer_init"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop": ""}}, "skip_tokenizer_init"),
+    ({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": CONTEXT - 2}}, "Requested token count"),
+    ({"input_ids": [1] * CONTEXT, "sampling_params": {"max_new_tokens": 1}}, "longer than the model"),
+    ({"input_ids": [1] * (CONTEXT - 6), "sampling_params": {"max_new_tokens": 1}}, "Input length"),
 ])
 def test_bad_requests_are_refused_with_400(server, body, needle):
     status, text = _http.request(f"{server.url}/generate", body, api_key=KEY)
-    assert status == 400 and needle in text
+    assert status == 400 and needle in text, text
+
+
+def test_what_sglang_accepts_is_accepted(server):
+    """Unknown top-level fields are ignored, an empty stop list is no stop string, and a request that fills
+    the context exactly is served; SGLang never generates into the context's last 2 positions."""
+    body = {"input_ids": [5, 6, 7], "no_such_field": {"x": 1}, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": CONTEXT - 3, "ignore_eos": True, "stop": [], "sampling_seed": 1}}
+    status, text = _http.request(f"{server.url}/generate", body, api_key=KEY)
+    assert status == 200, text
+    out = json.loads(text)
+    assert len(out["output_ids"]) == CONTEXT - 3 - 2 and out["meta_info"]["finish_reason"]["type"] == "length"
+    assert out["meta_info"]["weight_versions"][-1]["end"] == CONTEXT - 5
+
+
+def test_flush_cache_takes_a_query_and_is_refused_while_requests_run(server):
+    assert _http.request(f"{server.url}/flush_cache?timeout=-1", api_key=KEY)[0] == 400
+    assert _http.request(f"{server.url}/flush_cache", api_key=KEY)[0] == 200
+    assert _http.request(f"{server.url}/flush_cache", {"timeout": "ignored body"}, api_key=KEY)[0] == 200
+    client = SyncRolloutClient([server.url], api_key=KEY)
+    try:
+        fut = _submit_and_freeze(client, server.url, [5, 6], max_new_tokens=500)
+        status, text = _http.request(f"{server.url}/flush_cache", api_key=KEY)
+        assert status == 400, text  # a request is running (frozen in place)
+        client.continue_generation()
+        fut.result(180)
+        assert _http.request(f"{server.url}/flush_cache?timeout=30", api_key=KEY)[0] == 200
+    finally:
+        client.continue_generation()
+        client.close()
 
 
 def test_api_key_required_and_never_echoed(server):
@@ -168,8 +203,8 @@ def _load(model, named):
             params[n].copy_(t)
 
 
-def test_weight_sync_pause_then_in_flight(server, hf_model):
-    sync = DistributedWeightSync([server.url], api_key=KEY, backend="gloo", mode="pause", timeout_s=120)
+def test_weight_sync_retract_then_in_place_then_retract(server, hf_model):
+    sync = DistributedWeightSync([server.url], api_key=KEY, backend="gloo", timeout_s=120)
     sync.init_group()
     try:
         # 1) paused sync: the served log-probs equal the trainer's at the new weights, version is the new one
@@ -184,15 +219,15 @@ def test_weight_sync_pause_then_in_flight(server, hf_model):
             assert s.token_versions == [1] * len(s.output_ids) and s.weight_version == 1
             assert (hf_logprobs(hf_model, [5, 6, 7], s.output_ids) - torch.tensor(s.output_logprobs)).abs().max() <= 1e-5
 
-        # 2) in-flight sync while a long sample decodes: spans say which tokens came from which version
+        # 2) a sync with pause_mode in_place while a long sample decodes: the sample keeps its KV cache and
+        # continues with the new weights; its spans say which tokens came from which version
         v1_state = {n: p.detach().clone() for n, p in hf_model.named_parameters()}
-        sync.mode = "in_flight"
         client = SyncRolloutClient([server.url], api_key=KEY)
         try:
             fut = _submit_and_freeze(client, server.url, [9, 8, 7])
             v2 = _perturbed_state(hf_model, 0.05, seed=2)
-            sync.sync(hf_buckets(v2), weight_version=2)  # in flight: no pause/continue of its own
-            client.continue_generation()
+            sync.pause_mode = "in_place"
+            sync.sync(hf_buckets(v2), weight_version=2)  # no cache flush: SGLang refuses it while requests run
             s = fut.result(180)[0]
         finally:
             client.continue_generation()
@@ -213,7 +248,7 @@ def test_weight_sync_pause_then_in_flight(server, hf_model):
         # 3) paused sync with retract while a sample decodes: after continue its KV is recomputed with the new
         # weights, so every later token's log-prob equals a full forward at the new weights
         _load(hf_model, v2)
-        sync.mode, sync.pause_mode = "pause", "retract"
+        sync.pause_mode = "retract"
         client = SyncRolloutClient([server.url], api_key=KEY)
         try:
             fut = _submit_and_freeze(client, server.url, [4, 4, 2])
@@ -233,3 +268,68 @@ def test_weight_sync_pause_then_in_flight(server, hf_model):
         assert (ref_v3 - torch.tensor(s.output_logprobs[cut:])).abs().max() <= 1e-5
     finally:
         sync.close()
+
+
+def _post(url, path, body):
+    status, text = _http.request(f"{url}{path}", body, api_key=KEY)
+    return status, json.loads(text)
+
+
+def test_updates_need_the_weight_update_session(server, hf_model):
+    """As SGLang 0.5.23: an update outside begin/end is refused at once and never joins the broadcast (the
+    answer comes back although nobody broadcasts); begin twice or end without begin are refused."""
+    sync = DistributedWeightSync([server.url], api_key=KEY, backend="gloo", timeout_s=120,
+                                 group_name="session_test_group")
+    sync.init_group()
+    try:
+        body = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[4]], "group_name": sync.group_name}
+        status, out = _post(server.url, "/update_weights_from_distributed", body)
+        assert status == 400 and out["success"] is False and "begin_weight_update()" in out["message"]
+        status, out = _post(server.url, "/update_weights_from_tensor", {"serialized_named_tensors": ["AA=="]})
+        assert status == 400 and "begin_weight_update()" in out["message"]
+        assert _post(server.url, "/end_weight_update", {})[0] == 400
+        assert _post(server.url, "/begin_weight_update", {})[0] == 200
+        status, out = _post(server.url, "/begin_weight_update", {"selector": "all"})
+        assert status == 400 and "already open" in out["message"]
+        assert _post(server.url, "/end_weight_update", {})[0] == 200
+        # a sync that forgets the session fails fast, naming the reason, instead of hanging in the broadcast
+        sync._begin_session = lambda: None
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="begin_weight_update"):
+            sync.sync(hf_buckets(hf_model.named_parameters()), weight_version=99)
+        assert time.monotonic() - t0 < sync.timeout_s and sync.broken
+        info = json.loads(_http.request(f"{server.url}/get_model_info", api_key=KEY)[1])
+        assert info["weight_version"] != "99"
+    finally:
+        sync.close()
+
+
+def test_update_outside_a_pause_waits_for_running_requests(server):
+    """SGLang 0.5.23 has no in-flight update: every /generate holds the model-update lock, so an update that
+    is not paused waits until the running request finished, and no sample changes version mid-sequence."""
+    client = SyncRolloutClient([server.url], api_key=KEY)
+    try:
+        fut = client.submit([3, 4], {"max_new_tokens": 400, "ignore_eos": True}, n=1)
+        _wait_running(server.url)
+        status, _ = _post(server.url, "/begin_weight_update", {})
+        state = json.loads(_http.request(f"{server.url}/get_server_info", api_key=KEY)[1])["internal_states"][0]
+        assert status == 200 and state["running"] == 0  # begin could only return after the sample finished
+        s = fut.result(60)[0]
+        assert len(s.output_ids) == 400 and len(set(s.token_versions)) == 1
+        status, out = _post(server.url, "/update_weight_version", {"new_version": "42", "abort_all_requests": False})
+        assert status == 200 and out["new_version"] == "42"
+        assert _post(server.url, "/end_weight_update", {})[0] == 200
+    finally:
+        client.close()
+
+
+def test_health_waits_while_paused_as_sglangs_does(tiny_model_dir, tmp_path, monkeypatch):
+    """SGLang's health check generates one token, which waits while generation is paused: 503 after
+    SGLANG_HEALTH_CHECK_TIMEOUT seconds (1 here), 200 again once generation continues."""
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")
+    with local_server(tiny_model_dir, tmp_path) as proc:
+        assert _http.request(f"{proc.url}/pause_generation", {"mode": "retract"})[0] == 200
+        assert _http.request(f"{proc.url}/health")[0] == 503
+        assert _http.request(f"{proc.url}/health_generate")[0] == 503
+        assert _http.request(f"{proc.url}/continue_generation", {})[0] == 200
+        assert _http.request(f"{proc.url}/health_generate")[0] == 200
