@@ -27,17 +27,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # `m2po train RECIPE --resume auto train.steps=3`: overrides may follow options (argparse alone stops
+    # the positional list at the first option and calls the rest unrecognized).
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        bad = [a for a in extra if a.startswith("-") or not hasattr(args, "overrides")]
+        if bad:
+            parser.error(f"unrecognized arguments: {' '.join(bad)}")
+        args.overrides = list(args.overrides) + extra
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     from m2po_megatron.config import ConfigError
+    from m2po_megatron.run_state import RunError, RunStateError, StopNow
 
     try:
         return int(args.func(args) or 0)
-    except ConfigError as e:
+    except (ConfigError, RunStateError) as e:  # bad input: the message names the field or file and the fix
         print(f"m2po {args.command}: {e}", file=sys.stderr)
         return 2
+    except RunError as e:  # the run stopped for a reason its message explains (a dead rank, a timeout)
+        print(f"m2po {args.command}: {e}", file=sys.stderr)
+        return 1
+    except StopNow as e:  # a second SIGTERM/SIGUSR1 or the stop timeout; the latest checkpoint is intact
+        print(f"m2po {args.command}: {e}", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print(f"m2po {args.command}: interrupted (Ctrl-C); checkpoints written so far are intact", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
