@@ -49,12 +49,27 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as e:  # the run stopped for a reason its message explains (a dead rank, a timeout)
         print(f"m2po {args.command}: {e}", file=sys.stderr)
         return 1
-    except StopNow as e:  # a second SIGTERM/SIGUSR1 or the stop timeout; the latest checkpoint is intact
-        print(f"m2po {args.command}: {e}", file=sys.stderr)
-        return 128 + e.signum
     except KeyboardInterrupt:
         print(f"m2po {args.command}: interrupted (Ctrl-C); checkpoints written so far are intact", file=sys.stderr)
         return 130
+    except BaseException as e:
+        # a second SIGTERM/SIGUSR1 or the stop timeout; the latest checkpoint is intact. Raised from a signal
+        # handler, it may arrive wrapped (Ray's ray.get turns it into the cause of a SystemError).
+        stop = _in_chain(e, StopNow)
+        if stop is None:
+            raise
+        print(f"m2po {args.command}: {stop}", file=sys.stderr)
+        return 128 + stop.signum
+
+
+def _in_chain(e: BaseException | None, kind: type) -> BaseException | None:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, kind):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 if __name__ == "__main__":

@@ -77,6 +77,9 @@ def shutdown_ray() -> None:
     if _reaper is not None:  # sweeps what ray.shutdown left (its agents exit late) and waits for that
         _reaper.close()
         _reaper = None
+        from m2po_megatron.reaper import TOKEN_ENV
+
+        os.environ.pop(TOKEN_ENV, None)  # processes started from now on are not this run's
     if _owned_tmpdir is not None:
         shutil.rmtree(_owned_tmpdir, ignore_errors=True)
         _owned_tmpdir = None

@@ -26,11 +26,14 @@ def train(cfg: DictConfig) -> Path:
     rdir = run_dir(cfg)
     ckpts = CheckpointManager(rdir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
     stop = install_sigterm_flag(timeout_s=cfg.checkpoint.stop_timeout_s)  # honoured during set-up too
-    # Everything the run needs is read and checked before anything is written or Ray starts.
-    resume_from = check_run_dir(cfg, rdir, ckpts)
-    tokenizer = load_tokenizer(cfg)
-    prompts, eval_rows = load_data(cfg, tokenizer)
-    check_ports(cfg)
+    try:  # everything the run needs is read and checked before anything is written or Ray starts
+        resume_from = check_run_dir(cfg, rdir, ckpts)
+        tokenizer = load_tokenizer(cfg)
+        prompts, eval_rows = load_data(cfg, tokenizer)
+        check_ports(cfg)
+    except BaseException:
+        stop.restore()
+        raise
     start_step = checkpoint_step(resume_from)
     if start_step >= cfg.train.steps:
         print(f"[m2po] {rdir} is complete at step {start_step} (train.steps = {cfg.train.steps}); nothing to do. "

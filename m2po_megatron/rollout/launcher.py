@@ -306,6 +306,8 @@ class ServerProcess:
                         return
                     if self.restarts >= self.max_restarts:
                         self.last_error = f"exited with {proc.returncode}; restart budget {self.max_restarts} spent"
+                        if self._listener is not None:  # refuse connections now rather than queue them
+                            self._listener.close()
                         return
                     self.restarts += 1
                     time.sleep(0.5)  # let the port go
