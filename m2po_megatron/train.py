@@ -170,8 +170,10 @@ def check_run_dir(cfg: DictConfig, rdir: Path, ckpts):
     another one. Reads only."""
     from m2po_megatron.rundir import refuse_if_used
 
+    if cfg.run.overwrite:  # start over: whatever is there is moved aside (claim_run_dir)
+        return None
     resume_from = ckpts.resolve_resume(cfg.run.resume)  # a damaged checkpoint is found here (RunStateError)
-    if cfg.run.resume == "none" and not cfg.run.overwrite:
+    if cfg.run.resume == "none":
         refuse_if_used(rdir)
     return resume_from
 
@@ -204,7 +206,7 @@ def claim_run_dir(cfg: DictConfig, rdir: Path, ckpts, resume_from):
     checkpoint (metrics rows, newer checkpoints), so every step is logged once."""
     from m2po_megatron.rundir import RunDirLock, move_aside, truncate_metrics
 
-    if cfg.run.overwrite and cfg.run.resume == "none" and rdir.exists():
+    if cfg.run.overwrite and rdir.exists():
         old = RunDirLock(rdir).acquire()  # not while another process runs in it
         moved = move_aside(rdir)
         old.release()

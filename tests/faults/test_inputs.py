@@ -64,6 +64,16 @@ def test_used_run_dir_is_refused_and_a_truncated_checkpoint_is_skipped(tiny_task
     assert p.returncode == 0 and "is complete at step 4 (train.steps = 4); nothing to do" in p.stdout, p.stdout + p.stderr
     assert tree(run) == before
 
+    # --overwrite starts over; the old run is moved aside whole, not deleted
+    d = Driver(["tiny-cpu", *args, "--overwrite", "train.steps=1"], tmp_path / "over.log", short_tmp)
+    drivers.append(d)
+    assert d.finish() == 0, d.output()[-5000:]
+    (old,) = tmp_path.glob("u.replaced-*")
+    assert f"moved to {old}" in d.output()
+    assert {k: v for k, v in tree(old).items() if k != ".lock"} == {k: v for k, v in before.items() if k != ".lock"}
+    assert_steps_once(run, [1])
+    assert_nothing_left(d, [rollout_port(run)])
+
 
 @pytest.mark.parametrize("content, needle", [
     ('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"\n', ":2: not valid JSON"),
