@@ -56,10 +56,14 @@ def main(argv: list[str] | None = None) -> int:
         # a second SIGTERM/SIGUSR1 or the stop timeout; the latest checkpoint is intact. Raised from a signal
         # handler, it may arrive wrapped (Ray's ray.get turns it into the cause of a SystemError).
         stop = _in_chain(e, StopNow)
-        if stop is None:
-            raise
-        print(f"m2po {args.command}: {stop}", file=sys.stderr)
-        return 128 + stop.signum
+        if stop is not None:
+            print(f"m2po {args.command}: {stop}", file=sys.stderr)
+            return 128 + stop.signum
+        if _in_chain(e, KeyboardInterrupt) is not None:
+            print(f"m2po {args.command}: interrupted (Ctrl-C); checkpoints written so far are intact",
+                  file=sys.stderr)
+            return 130
+        raise
 
 
 def _in_chain(e: BaseException | None, kind: type) -> BaseException | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -47,9 +48,19 @@ def train(cfg: DictConfig) -> Path:
                            name=cfg.run.name, resume=resume_from is not None, resume_step=start_step)
     seed_everything(cfg.run.seed)
     world = trainer_world_size(cfg)
-    init_ray(cfg.cluster.ray_address, tmpdir=cfg.cluster.ray_tmpdir,
-             object_store_memory_mb=cfg.cluster.object_store_memory_mb, trainer_slots=world,
-             rollout_slots=cfg.rollout.num_servers)
+    try:
+        init_ray(cfg.cluster.ray_address, tmpdir=cfg.cluster.ray_tmpdir,
+                 object_store_memory_mb=cfg.cluster.object_store_memory_mb, trainer_slots=world,
+                 rollout_slots=cfg.rollout.num_servers)
+    except SystemExit as e:  # SIGTERM during ray.init reaches Ray's handler (sys.exit(15)): nothing to save yet
+        shutdown_ray()
+        logger.close()
+        lock.release()
+        stop.restore()
+        if e.code != signal.SIGTERM:
+            raise
+        print(f"[m2po] stopped by SIGTERM while Ray started, before training; {resume_hint(ckpts)}", flush=True)
+        return rdir
     stop.install()  # ray.init put its own SIGTERM handler (sys.exit) over ours
     engines = trainers = generator = rewards = client = None
     try:
