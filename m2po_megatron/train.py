@@ -132,8 +132,10 @@ def train(cfg: DictConfig) -> Path:
             if cfg.checkpoint.save_on_sigterm and step > saved:
                 print(f"[m2po] {stop.signal_name} received: checkpointing at step {step} and exiting", flush=True)
                 save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
-            print(f"[m2po] stopped by {stop.signal_name} at step {step}/{cfg.train.steps}; latest checkpoint "
-                  f"{ckpts.latest()}; continue with `--resume auto`", flush=True)
+            latest = ckpts.latest()
+            print(f"[m2po] stopped by {stop.signal_name} at step {step}/{cfg.train.steps}; "
+                  + (f"latest checkpoint {latest}; continue with `--resume auto`" if latest else
+                     "no checkpoint yet (stopped before the first step)"), flush=True)
         else:
             if step > saved:
                 save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
