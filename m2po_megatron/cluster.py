@@ -31,6 +31,7 @@ def node_ip() -> str:
 
 
 _owned_tmpdir: Optional[str] = None  # the private temp dir init_ray made
+_reaper = None  # reaper.Reaper: reclaims the run's processes when this driver ends, however it ends
 
 
 def init_ray(address: str = "local", *, tmpdir: Optional[str] = None, object_store_memory_mb: int = 512,
@@ -43,11 +44,17 @@ def init_ray(address: str = "local", *, tmpdir: Optional[str] = None, object_sto
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return {}
-    global _owned_tmpdir
+    from m2po_megatron import reaper
+
+    global _owned_tmpdir, _reaper
+    token = reaper.new_token()  # inherited by every process started from here on (reaper.py)
     if address == "local":
-        tmp = tmpdir or tempfile.mkdtemp(prefix="m2po-ray-")
+        reaper.clean_stale()  # private temp dirs (and processes) of drivers that were killed
+        tmp = tmpdir or tempfile.mkdtemp(prefix=reaper.PREFIX)
         _owned_tmpdir = None if tmpdir else tmp  # ours to delete at shutdown (the run dir keeps the logs)
         Path(tmp).mkdir(parents=True, exist_ok=True)
+        reaper.write_owner(tmp, token, owned=tmpdir is None)
+        _reaper = reaper.Reaper(token, str(Path(tmp).resolve()), delete_tmpdir=tmpdir is None)
         ctx = ray.init(
             address="local", _temp_dir=str(Path(tmp).resolve()), include_dashboard=False,
             object_store_memory=object_store_memory_mb * 1024 * 1024,
@@ -56,16 +63,23 @@ def init_ray(address: str = "local", *, tmpdir: Optional[str] = None, object_sto
             log_to_driver=True, configure_logging=False,
         )
     else:
+        _reaper = reaper.Reaper(token, None, delete_tmpdir=False)  # this node's processes (reward workers)
         ctx = ray.init(address=address, log_to_driver=True)
     return {"address": getattr(ctx, "address_info", {}).get("address", address)}
 
 
 def shutdown_ray() -> None:
-    global _owned_tmpdir
+    global _owned_tmpdir, _reaper
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
+    if _reaper is not None:  # sweeps what ray.shutdown left (its agents exit late) and waits for that
+        _reaper.close()
+        _reaper = None
+        from m2po_megatron.reaper import TOKEN_ENV
+
+        os.environ.pop(TOKEN_ENV, None)  # processes started from now on are not this run's
     if _owned_tmpdir is not None:
         shutil.rmtree(_owned_tmpdir, ignore_errors=True)
         _owned_tmpdir = None
@@ -86,6 +100,10 @@ def rank_bundles(world_size: int, ranks_per_node: Optional[int] = None, gpus_per
     return [[dict(bundle) for _ in range(n)] for _ in range(world_size // n)]
 
 
+class PlacementTimeout(RuntimeError):
+    """Ray could not place a RankGroup's placement groups in time (the message says what they need)."""
+
+
 class RankGroup:
     """`world_size` Ray actors of `actor_cls`, one per rank, on nodes with the `trainer` resource.
 
@@ -98,7 +116,8 @@ class RankGroup:
 
     def __init__(self, actor_cls: Any, world_size: int, *, gpus_per_rank: float = 0, env: Optional[dict] = None,
                  resource: str = TRAINER_RESOURCE, init_kwargs: Optional[dict] = None,
-                 ranks_per_node: Optional[int] = None, placement_timeout_s: float = 600.0):
+                 ranks_per_node: Optional[int] = None, placement_timeout_s: float = 600.0,
+                 timeout_s: Optional[float] = None):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -113,7 +132,7 @@ class RankGroup:
         except ray.exceptions.GetTimeoutError:
             for pg in self.placement_groups:
                 remove_placement_group(pg)
-            raise RuntimeError(
+            raise PlacementTimeout(
                 f"Ray could not place {world_size} trainer ranks within {placement_timeout_s:.0f} s: they need "
                 f"{len(groups)} node(s) each offering {len(groups[0])} x {groups[0][0]} ({strategy}); the cluster "
                 f"has {ray.available_resources()}") from None
@@ -128,13 +147,13 @@ class RankGroup:
                             placement_group_bundle_index=rank % n))
 
         rank0 = remote_cls.options(**opts(0)).remote(**(init_kwargs or {}))
-        master_addr, master_port = ray.get(rank0.rendezvous_address.remote())
+        master_addr, master_port = ray.get(rank0.rendezvous_address.remote(), timeout=timeout_s)
         self.master = (master_addr, master_port)
         self.actors.append(rank0)
         for rank in range(1, world_size):
             self.actors.append(remote_cls.options(**opts(rank)).remote(**(init_kwargs or {})))
         ray.get([a.set_dist_env.remote(rank, world_size, master_addr, master_port)
-                 for rank, a in enumerate(self.actors)])
+                 for rank, a in enumerate(self.actors)], timeout=timeout_s)
 
     def call_async(self, method: str, *args, **kwargs) -> list:
         return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]

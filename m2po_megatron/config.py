@@ -37,6 +37,7 @@ class RunSection:
     output_dir: str = "runs"  # the run directory is output_dir/name
     seed: int = 1234
     resume: str = "none"  # none | auto | PATH of a checkpoint
+    overwrite: bool = False  # start over in a run directory that holds another run (it is moved aside)
 
 
 @dataclass
@@ -115,7 +116,7 @@ class RolloutSection:
     urls: list[str] = field(default_factory=list)  # attach to servers started elsewhere
     num_servers: int = 1
     host: Optional[str] = None  # default: this node's address (never 0.0.0.0)
-    port: int = 30000
+    port: int = 0  # 0: each server gets a free port, bound by the launcher itself (no race); N: server i on N + i
     api_key: Optional[str] = None  # prefer the M2PO_API_KEY environment variable; never logged
     tp_size: int = 1  # SGLang --tp-size
     dp_size: int = 1  # SGLang --dp-size
@@ -191,6 +192,7 @@ class CheckpointSection:
     interval: int = 50  # steps; 0 = only at the end and on SIGTERM
     keep_last: int = 2
     save_on_sigterm: bool = True
+    stop_timeout_s: float = 270.0  # after SIGTERM/SIGUSR1: exit without a new checkpoint past this (0 = no limit)
 
 
 @dataclass
@@ -210,6 +212,7 @@ class ClusterSection:
     rollout_nodes: int = 0  # 0 = rollout servers share the trainer's node(s)
     gpus_per_node: int = 0  # 0 = CPU: one trainer process per rank
     gpu_memory_gb: Optional[float] = None  # when set, the per-GPU memory estimate must fit
+    timeout_s: float = 3600.0  # longest wait on another process (trainer ranks, servers) before the run stops
 
 
 @dataclass
@@ -260,7 +263,7 @@ POSITIVE = [
     "data.max_prompt_len", "reward.num_workers", "reward.timeout_s", "train.steps",
     "train.prompts_per_step", "train.updates_per_step", "train.micro_batch_tokens",
     "staleness.sync_interval", "eval.n_samples", "checkpoint.keep_last", "cluster.trainer_nodes",
-    "cluster.object_store_memory_mb", "rollout.port",
+    "cluster.object_store_memory_mb", "cluster.timeout_s",
 ]
 NON_NEGATIVE = [
     "staleness.lag_steps", "staleness.max_staleness", "algo.m2po.tau", "algo.grpo.eps_clip_low",
@@ -268,6 +271,7 @@ NON_NEGATIVE = [
     "optim.min_lr", "optim.weight_decay", "optim.clip_grad", "optim.warmup_updates", "eval.interval",
     "checkpoint.interval", "rollout.max_retries", "rollout.max_restarts", "cluster.rollout_nodes",
     "cluster.gpus_per_node", "reward.format_score", "rollout.temperature", "algo.adv_eps", "optim.adam_eps",
+    "rollout.port", "checkpoint.stop_timeout_s",
 ]
 
 
@@ -338,7 +342,7 @@ def resolve_recipe_path(ref: str, base_dir: Optional[Path] = None) -> Path:
         if base_dir is not None:
             cands.append(base_dir / p)
         cands += [Path.cwd() / p, RECIPES_DIR / p]
-    cands += [c.with_suffix(".yaml") for c in list(cands) if c.suffix != ".yaml"]
+    cands += [c.with_name(c.name + ".yaml") for c in list(cands) if c.suffix != ".yaml"]  # qwen3-1.7b-base
     for c in cands:
         if c.is_file():
             return c.resolve()
@@ -356,6 +360,7 @@ def _read_recipe_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Pa
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}")
+    _acyclic(data, str(path))
     parent = data.pop("extends", None)
     chain: list[tuple[Path, dict]] = []
     if parent:
@@ -364,6 +369,15 @@ def _read_recipe_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Pa
             chain += _read_recipe_chain(resolve_recipe_path(str(ref), path.parent), (*seen, path))
     chain.append((path, data))
     return chain
+
+
+def _acyclic(value: Any, where: str, seen: tuple = ()) -> None:
+    """YAML anchors can build a list that contains itself (`&a [*a]`); no config value can be one."""
+    if isinstance(value, (list, dict)):
+        if any(value is s for s in seen):
+            raise ConfigError(f"{where}: the value refers to itself (a YAML anchor loop); write it out")
+        for v in value.values() if isinstance(value, dict) else value:
+            _acyclic(v, where, (*seen, value))
 
 
 def _parse_overrides(overrides: list[str]) -> dict:
@@ -375,7 +389,12 @@ def _parse_overrides(overrides: list[str]) -> dict:
         key = key.strip().lstrip("+")
         if not key:
             raise ConfigError(f"override '{item}' has no key")
-        value = yaml.safe_load(raw) if raw.strip() != "" else None
+        try:
+            value = yaml.safe_load(raw) if raw.strip() != "" else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override '{item}': the value is not valid YAML ({str(e).splitlines()[0]}); "
+                              f"quote it, e.g. {key}='\"...\"'") from None
+        _acyclic(value, f"override '{item}'")
         node = out
         parts = key.split(".")
         for part in parts[:-1]:
@@ -406,11 +425,19 @@ def load_config(recipe: Optional[str | Path] = None, overrides: Optional[list[st
             first = str(e).strip().splitlines()[0]
             raise ConfigError(f"{source}: '{key}' has the wrong type: {first}; "
                               f"expected {_expected_type(key)}") from None
-        except (ConfigKeyError, OmegaConfBaseException) as e:  # pragma: no cover - caught by _check_keys
-            raise ConfigError(f"{source}: {e}") from None
+        except (ConfigKeyError, OmegaConfBaseException, TypeError, ValueError, RecursionError) as e:  # a.list.x=1
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"{source}: cannot apply {_leaves(data)}: {first}; check the keys and the "
+                              f"value types against `m2po config RECIPE`") from None
     validate(cfg, check_files=check_files)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _leaves(data: Any, prefix: str = "") -> str:
+    if isinstance(data, dict):
+        return ", ".join(_leaves(v, f"{prefix}{k}.") for k, v in data.items()) or prefix.rstrip(".")
+    return prefix.rstrip(".")
 
 
 def _expected_type(key: str) -> str:
@@ -496,11 +523,19 @@ def validate(cfg: DictConfig, check_files: bool = True) -> None:
         errors.append(f"rollout.mem_fraction_static = {cfg.rollout.mem_fraction_static} must be in (0, 1)")
     if cfg.run.resume not in ("none", "auto") and check_files and not Path(cfg.run.resume).exists():
         errors.append(f"run.resume = {cfg.run.resume!r}: no such checkpoint; use 'auto', 'none' or a path")
+    if cfg.rollout.n_samples_per_prompt == 1:
+        errors.append("rollout.n_samples_per_prompt = 1: GRPO advantages (reward minus the group mean) are then "
+                      "always 0 and nothing is learned; use at least 2 (the paper uses 8)")
+    if cfg.rollout.port and cfg.rollout.port + cfg.rollout.num_servers - 1 > 65535:
+        errors.append(f"rollout.port = {cfg.rollout.port}: server i listens on port + i, which must stay <= 65535; "
+                      "use rollout.port=0 (a free port per server)")
 
     _check_layout(cfg, errors)
     _check_batches(cfg, errors)
     _check_model(cfg, errors, check_files)
     _check_rollout(cfg, errors)
+    if check_files:
+        _check_data_files(cfg, errors)
 
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
@@ -585,9 +620,43 @@ def _check_batches(cfg: DictConfig, errors: list[str]) -> None:
         errors.append("model.fp8 needs model.params_dtype = bf16 (or auto on GPU)")
 
 
+def _raw(cfg: DictConfig, path: str) -> str:
+    """The value of `path` (dotted, list items as [i]) as written in the recipe, interpolations unresolved."""
+    node: Any = OmegaConf.to_container(cfg, resolve=False)
+    for part in re.findall(r"[^.\[\]]+", path):
+        node = node[int(part)] if isinstance(node, list) and part.isdigit() and int(part) < len(node) else (
+            node.get(part) if isinstance(node, dict) else None)
+    return str(node)
+
+
+def _missing_file_hint(cfg: DictConfig, path: str, value: str, what: str) -> str:
+    """How to get a missing model or data file: the tiny task is built by `m2po demo`; paper recipes find
+    weights and data through M2PO_MODELS_DIR / M2PO_DATA_DIR."""
+    raw = _raw(cfg, path)
+    if "tiny-task" in value:
+        return "the tiny task is built by `m2po demo` (or `make demo`) under .cache/tiny-task; run it once"
+    for env, how in (("M2PO_MODELS_DIR", "the directory holding the HF weights"),
+                     ("M2PO_DATA_DIR", "DIR where `m2po prepare-data ... --out DIR/deepscaler` wrote")):
+        if env in raw:
+            return (f"set {env} to {how} (now {os.environ.get(env, 'unset')}; the recipe reads {raw}), or "
+                    f"validate the recipe without files: `m2po config RECIPE --no-check-files`")
+    return f"give an existing {what}, or validate without files: `m2po config RECIPE --no-check-files`"
+
+
+def _check_data_files(cfg: DictConfig, errors: list[str]) -> None:
+    paths = [("data.train_path", cfg.data.train_path)] if cfg.data.train_path else []
+    paths += [(f"data.eval_paths[{i}]", p) for i, p in enumerate(cfg.data.eval_paths)]
+    missing = [(k, p) for k, p in paths if not Path(os.path.expanduser(str(p))).is_file()]
+    if missing:
+        shown = ", ".join(f"{k} = {p!r}" for k, p in missing[:3]) + (f" and {len(missing) - 3} more"
+                                                                       if len(missing) > 3 else "")
+        errors.append(f"no such file: {shown}; {_missing_file_hint(cfg, missing[0][0], str(missing[0][1]), 'data file')}")
+
+
 def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
     if check_files and cfg.model.hf_path and not Path(os.path.expanduser(cfg.model.hf_path)).exists():
-        errors.append(f"model.hf_path = {cfg.model.hf_path!r} does not exist; give an HF checkpoint dir")
+        errors.append(f"model.hf_path = {cfg.model.hf_path!r} does not exist; "
+                      f"{_missing_file_hint(cfg, 'model.hf_path', cfg.model.hf_path, 'HF checkpoint directory')}")
     try:
         hf = read_hf_config(cfg, check_files)
     except ConfigError as e:
@@ -595,6 +664,7 @@ def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
         return
     if hf is None:
         return
+    before = len(errors)
     p = cfg.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     heads = hf.get("num_attention_heads")
@@ -620,22 +690,42 @@ def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
             errors.append(f"parallel.recompute_num_layers = {n} exceeds the {per_stage} layers of a pipeline "
                           f"stage (recompute_method = block); use at most {per_stage}")
     _check_context(cfg, hf, errors)
-    if cfg.cluster.gpu_memory_gb:
+    if cfg.cluster.gpu_memory_gb and len(errors) == before:  # the estimate needs a layout that divides
         try:
-            from m2po_megatron.memory import estimate_gpu_memory
-        except ImportError:
+            est = estimate_memory(cfg, hf)
+        except ConfigError as e:
+            errors.append(str(e))
             return
-        est = estimate_gpu_memory(
-            hf, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-            data_parallel_size=p.data_parallel_size, micro_batch_tokens=cfg.train.micro_batch_tokens,
-            use_distributed_optimizer=p.use_distributed_optimizer, fp8=bool(cfg.model.fp8),
-            sequence_parallel=p.sequence_parallel, recompute=p.recompute_granularity,
-            attention_backend=_gpu_attention_backend(cfg.model.attention_backend))
-        total = est["total"] if isinstance(est, dict) else float(est)
-        if total > cfg.cluster.gpu_memory_gb:
-            errors.append(f"estimated trainer memory {total:.1f} GB per GPU exceeds cluster.gpu_memory_gb = "
+        if est["total"] > cfg.cluster.gpu_memory_gb:
+            from m2po_megatron.memory import format_estimate
+
+            errors.append(f"estimated trainer memory {est['total']:.1f} GiB per GPU exceeds cluster.gpu_memory_gb = "
                           f"{cfg.cluster.gpu_memory_gb}; raise tensor/pipeline parallel size or lower "
-                          f"train.micro_batch_tokens ({est})")
+                          f"train.micro_batch_tokens ({format_estimate(est)})")
+
+
+def estimate_memory(cfg: DictConfig, hf: Optional[dict] = None) -> Optional[dict]:
+    """The per-GPU memory estimate of a trainer rank in GiB (m2po_megatron.memory), or None when the model's
+    config.json is not known. A layout it cannot compute is a ConfigError naming the field."""
+    hf = hf if hf is not None else read_hf_config(cfg)
+    if hf is None:
+        return None
+    from m2po_megatron.memory import estimate_gpu_memory
+
+    p = cfg.parallel
+    dtype = cfg.model.params_dtype
+    if dtype == "auto":
+        dtype = "bf16" if cfg.cluster.gpus_per_node > 0 else "fp32"
+    try:
+        return estimate_gpu_memory(
+            hf, tensor_model_parallel_size=p.tensor_model_parallel_size,
+            pipeline_model_parallel_size=p.pipeline_model_parallel_size, data_parallel_size=p.data_parallel_size,
+            micro_batch_tokens=cfg.train.micro_batch_tokens, use_distributed_optimizer=p.use_distributed_optimizer,
+            params_dtype=dtype, fp8=bool(cfg.model.fp8), sequence_parallel=p.sequence_parallel,
+            recompute=p.recompute_granularity, context_parallel_size=p.context_parallel_size,
+            attention_backend=_gpu_attention_backend(cfg.model.attention_backend))
+    except ValueError as e:
+        raise ConfigError(f"memory estimate of this layout: {e} (parallel.*); use sizes that divide the model") from None
 
 
 def _gpu_attention_backend(requested: str) -> str:
@@ -718,4 +808,4 @@ def as_plain(cfg: DictConfig) -> dict:
 
 
 __all__ = ["RunConfig", "ConfigError", "load_config", "validate", "save_resolved", "redact", "run_dir",
-           "read_hf_config", "secret", "as_plain", "MISSING"]
+           "read_hf_config", "estimate_memory", "secret", "as_plain", "MISSING"]

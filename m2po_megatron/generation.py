@@ -11,6 +11,7 @@ pending and the identity generated = consumed + dropped + pending always holds.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import queue
 import random
@@ -55,19 +56,45 @@ class PromptStream:
 
 
 def load_prompt_rows(path: str) -> list[dict]:
-    """Rows of the project's training format (id, prompt, answer[, source]) from JSONL."""
-    rows = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    """Rows of the project's training format (id, prompt, answer[, source]) from JSONL (or .json/.parquet
+    as `m2po prepare-data` writes them). Any problem is a ValueError naming the file and the line."""
+    p = Path(path)
+    if not p.name.endswith((".jsonl", ".jsonl.gz")) and p.name.endswith((".json", ".json.gz", ".parquet")):
+        from m2po_megatron.data.records import read_records
+
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i}: not valid JSON ({e}); run `m2po prepare-data` on the raw file") from None
-        if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
-            raise ValueError(f"{path}:{i}: a row needs 'prompt' and 'answer' (run `m2po prepare-data`)")
+            numbered, report = read_records(p)
+        except (OSError, ImportError) as e:
+            raise ValueError(f"{path}: cannot read it ({e})") from None
+        if report.malformed:
+            m = report.malformed[0]
+            raise ValueError(f"{path}:{m['line']}: {m['reason']}; run `m2po prepare-data` on the raw file")
+    else:
+        try:
+            text = gzip.open(p, "rt").read() if p.name.endswith(".gz") else p.read_text()
+        except (OSError, UnicodeDecodeError, EOFError) as e:
+            raise ValueError(f"{path}: cannot read it as UTF-8 JSONL ({e})") from None
+        numbered = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                numbered.append((i, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not valid JSON ({e}); run `m2po prepare-data` on the raw file") from None
+    rows = []
+    for i, row in numbered:
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise ValueError(f"{path}:{i}: a row needs a non-empty string 'prompt' (run `m2po prepare-data`)")
+        answer = row.get("answer")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
+            raise ValueError(f"{path}:{i}: a row needs a non-empty 'answer' (a string or number; run "
+                             f"`m2po prepare-data`)")
+        row["answer"] = str(answer)
         row.setdefault("id", f"row{i}")
         rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no rows; prepare the data with `m2po prepare-data`")
     return rows
 
 
@@ -159,15 +186,22 @@ class SyncGenerator:
             self.ledger.add(sample_ids_for(gid, self.maker.n))
         t0 = time.perf_counter()
         futures = [self.maker.submit(g) for g in groups]
+        deadline = time.monotonic() + self.timeout_s
         for g, f in zip(groups, futures):
-            self.maker.fill(g, f.result(timeout=self.timeout_s))
+            try:
+                self.maker.fill(g, f.result(timeout=max(0.0, deadline - time.monotonic())))
+            except TimeoutError:
+                raise TimeoutError(f"group {g.group_id}: no answer from the rollout servers within "
+                                   f"{self.timeout_s:.0f} s") from None
         self.gen_seconds += time.perf_counter() - t0
         self.maker.score(groups)
         if self.recompute is not None:  # the released code: behaviour log-probs from the trainer
             self.recompute(groups)
         return groups
 
-    def next_groups(self, version: int) -> list[Group]:
+    def next_groups(self, version: int, timeout_s: Optional[float] = None) -> list[Group]:
+        if timeout_s is not None:
+            self.timeout_s = timeout_s
         while True:
             groups = self._generate_batch()
             if self.queue is None:

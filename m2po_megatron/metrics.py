@@ -33,7 +33,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str | Path, *, config: Optional[dict] = None, wandb_mode: str = "disabled",
                  project: str = "m2po-megatron", entity: Optional[str] = None, name: Optional[str] = None,
-                 resume: bool = False):
+                 resume: bool = False, resume_step: Optional[int] = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -45,11 +45,19 @@ class MetricsLogger:
 
             os.environ.setdefault("WANDB_DIR", str(self.run_dir))
             os.environ.setdefault("WANDB_SILENT", "true")
-            self._wandb = wandb.init(
-                project=project, entity=entity, name=name or self.run_dir.name, dir=str(self.run_dir),
-                mode=self.wandb_mode, config=redact(config or {}), resume="allow" if resume else None,
-                id=self._wandb_id(resume),
-            )
+            kw = dict(project=project, entity=entity, name=name or self.run_dir.name, dir=str(self.run_dir),
+                      mode=self.wandb_mode, config=redact(config or {}))
+            run_id = self._wandb_id(resume)
+            self._wandb = None
+            if resume and resume_step is not None and self.wandb_mode == "online":
+                # rewind the wandb run to the checkpoint's step, as metrics.jsonl was truncated to it
+                try:
+                    self._wandb = wandb.init(resume_from=f"{run_id}?_step={int(resume_step)}", **kw)
+                except Exception as e:  # noqa: BLE001 - a server without rewind: resume; wandb drops older steps
+                    warnings.warn(f"wandb could not rewind run {run_id} to step {resume_step} ({e}); resuming it, "
+                                  "rows already logged for later steps stay in wandb", stacklevel=2)
+            if self._wandb is None:
+                self._wandb = wandb.init(resume="allow" if resume else None, id=run_id, **kw)
 
     def _wandb_id(self, resume: bool) -> Optional[str]:
         # A stable id per run directory, so a resumed run continues the same wandb run.
@@ -115,10 +123,11 @@ class Progress:
     `min_interval_s` (and at the end), so CI logs stay short and readable."""
 
     def __init__(self, total: int, desc: str = "", *, unit: str = "it", stream=None,
-                 min_interval_s: float = 10.0, force_plain: Optional[bool] = None):
+                 min_interval_s: float = 10.0, force_plain: Optional[bool] = None, initial: int = 0):
+        """`initial`: units already done (a resumed run: "5/16", and the rate counts this session's only)."""
         self.total, self.desc, self.unit = total, desc, unit
         self.stream = stream or sys.stderr
-        self.done = 0
+        self.initial = self.done = initial
         self.t0 = time.monotonic()
         self._last = -math.inf
         self.min_interval_s = min_interval_s
@@ -133,13 +142,13 @@ class Progress:
             self._rich = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                       TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
                                       TimeRemainingColumn(), console=Console(file=self.stream))
-            self._task = self._rich.add_task(desc, total=total, rate="")
+            self._task = self._rich.add_task(desc, total=total, completed=initial, rate="")
             self._rich.start()
         self.postfix = ""
 
     def rate(self) -> float:
         dt = time.monotonic() - self.t0
-        return self.done / dt if dt > 0 else 0.0
+        return (self.done - self.initial) / dt if dt > 0 else 0.0
 
     def eta_s(self) -> float:
         r = self.rate()

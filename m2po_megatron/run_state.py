@@ -30,8 +30,10 @@ __all__ = [
     "MARKER",
     "RUN_STATE_SCHEMA_VERSION",
     "CheckpointManager",
+    "RunError",
     "RunStateError",
     "StopFlag",
+    "StopNow",
     "capture_rng_state",
     "install_sigterm_flag",
     "load_run_state",
@@ -48,6 +50,11 @@ PathLike = Union[str, os.PathLike]
 
 class RunStateError(RuntimeError):
     """A run-state file or checkpoint is missing, corrupt, partially written or of another schema."""
+
+
+class RunError(RuntimeError):
+    """The run stopped for a reason the message explains (a dead rank or server, a wait that timed out),
+    naming what to do next; the CLI prints it without a traceback."""
 
 
 def _fsync_path(path: Path) -> None:
@@ -112,8 +119,9 @@ class CheckpointManager:
         if self.fsync:
             _fsync_tree(tmp)
         marker = tmp / MARKER
-        with open(marker, "w") as f:
-            json.dump({"step": step, "time": time.time()}, f)
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        with open(marker, "w") as f:  # the manifest lets a resume find a truncated or missing file before loading
+            json.dump({"step": step, "time": time.time(), "files": files}, f)
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
@@ -135,9 +143,38 @@ class CheckpointManager:
                 m = _STEP_RE.match(p.name[len(".tmp."):])
                 if m and int(m.group(1)) < committed:
                     _remove_dir(p)  # an older attempt that never committed
-        if self.keep_last:
-            for s in self.complete_steps()[:-self.keep_last]:
+        if self.keep_last:  # never in favour of an older one: only steps up to the one just committed count
+            for s in [s for s in self.complete_steps() if s <= committed][:-self.keep_last]:
                 _remove_dir(self.step_dir(s))
+
+    def retire_newer(self, step: int) -> list[Path]:
+        """Move complete checkpoints newer than `step` aside (`step_X.superseded-TIME`, ignored by latest()):
+        a run resumed from `step` continues from there, so a later `--resume auto` must not pick them."""
+        moved = []
+        for s in self.complete_steps():
+            if s > step:
+                src = self.step_dir(s)
+                dst = src.with_name(f"{src.name}.superseded-{time.strftime('%Y%m%d-%H%M%S')}")
+                os.rename(src, dst)
+                moved.append(dst)
+        return moved
+
+    def verify(self, path: PathLike) -> list[str]:
+        """What is wrong with a complete checkpoint: files of its manifest that are missing or whose size
+        changed (a truncated copy, a full disk). [] when intact (or written before manifests existed)."""
+        path = Path(path)
+        try:
+            doc = json.loads((path / MARKER).read_text())
+        except (OSError, ValueError) as e:
+            return [f"{path / MARKER} is unreadable ({e})"]
+        problems = []
+        for rel, size in (doc.get("files") or {}).items() if isinstance(doc, dict) else []:
+            f = path / rel
+            if not f.is_file():
+                problems.append(f"{f} is missing")
+            elif f.stat().st_size != size:
+                problems.append(f"{f} has {f.stat().st_size} bytes, {size} were written")
+        return problems
 
     @staticmethod
     def is_complete(path: PathLike) -> bool:
@@ -161,19 +198,39 @@ class CheckpointManager:
         steps = self.complete_steps()
         return self.step_dir(steps[-1]) if steps else None
 
+    def _latest_intact(self) -> Optional[Path]:
+        """The newest complete checkpoint whose files match its manifest; damaged newer ones are reported
+        (stderr) and skipped. All damaged: RunStateError naming the first bad file."""
+        damaged = []
+        for s in reversed(self.complete_steps()):
+            problems = self.verify(self.step_dir(s))
+            if not problems:
+                for d, why in damaged:
+                    print(f"m2po: checkpoint {d} is damaged ({why}); resuming from {self.step_dir(s)} instead",
+                          file=sys.stderr, flush=True)
+                return self.step_dir(s)
+            damaged.append((self.step_dir(s), problems[0]))
+        if damaged:
+            raise RunStateError(f"every checkpoint under {self.root} is damaged (newest: {damaged[0][0]}: "
+                                f"{damaged[0][1]}); restore the file, or start over with --overwrite")
+        return None
+
     def resolve_resume(self, spec: Optional[PathLike]) -> Optional[Path]:
         """'none' (or None/''): start fresh. 'auto': the latest complete checkpoint here, or None.
         A path: a complete checkpoint dir, or a checkpoint root whose latest complete one is taken."""
         if spec is None or str(spec) in ("", "none"):
             return None
         if str(spec) == "auto":
-            return self.latest()
+            return self._latest_intact()
         path = Path(spec)
         if not path.exists():
             raise RunStateError(f"resume = {str(spec)!r}: no such checkpoint; use 'auto', 'none' or a path")
         if self.is_complete(path):
+            if problems := self.verify(path):
+                raise RunStateError(f"checkpoint {path} is damaged: {'; '.join(problems[:3])}; resume from another "
+                                    f"one (--resume PATH) or take the latest intact one with --resume auto")
             return path
-        if path.is_dir() and (found := CheckpointManager(path, keep_last=0).latest()) is not None:
+        if path.is_dir() and (found := CheckpointManager(path, keep_last=0)._latest_intact()) is not None:
             return found
         raise RunStateError(f"resume = {str(spec)!r}: not a complete checkpoint (no {MARKER} marker, so it "
                             f"may be partially written) and holds no step_XXXXXXX checkpoint; use 'auto' "
@@ -288,36 +345,92 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------------------------------
 # Clean stop on SIGTERM / SIGUSR1
 # ----------------------------------------------------------------------------------------------------
+class StopNow(BaseException):
+    """A second stop signal, or the stop timeout: leave at once without a new checkpoint. A BaseException
+    so that no `except Exception` on the way swallows it; cleanup in `finally` blocks still runs.
+    Checkpoints stay consistent: one being written is an ignored .tmp directory."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
 class StopFlag:
     """`.requested` turns True when one of the signals arrives; the loop checks it between steps,
-    checkpoints and exits. Later signals are only recorded (Slurm may send USR1 then TERM; neither may
-    interrupt a checkpoint being written)."""
+    checkpoints and exits. A second signal, or `timeout_s` passing after the first (0: no limit), raises
+    StopNow in the main thread: leave now, keeping the latest complete checkpoint. Slurm may send USR1
+    then TERM; the second only hurries the stop, it never interrupts the write of a checkpoint into a
+    state that a resume would read."""
 
-    def __init__(self) -> None:
+    HARD_EXIT_GRACE_S = 60.0  # after StopNow was raised, if the main thread is stuck in C code
+
+    def __init__(self, timeout_s: float = 0.0) -> None:
         self.requested = False
         self.signal_name: Optional[str] = None
+        self.timeout_s = timeout_s
+        self.timed_out = False
+        self.leaving = False  # set by the loop's cleanup: further signals must not cut it short
+        self._raised = False
+        self._cancel = threading.Event()  # restore() stops the timers
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
         if not self.requested:
-            self.signal_name = signal.Signals(signum).name
-            print(f"m2po: received {self.signal_name}; will checkpoint and stop after the current step",
+            self.requested = True
+            self.signal_name = name
+            limit = f" (at most {self.timeout_s:.0f} s)" if self.timeout_s > 0 else ""
+            print(f"m2po: received {name}; will checkpoint and stop after the current step{limit}",
                   file=sys.stderr, flush=True)
-        self.requested = True
+            if self.timeout_s > 0:
+                threading.Thread(target=self._deadline, args=(signum,), daemon=True, name="m2po-stop-timeout").start()
+            return
+        if self._raised:
+            return  # already leaving
+        self._raised = True
+        if self.leaving:  # cleanup is what leaving now would do; only make sure it cannot hang
+            threading.Thread(target=self._hard_exit, args=(signum,), daemon=True, name="m2po-hard-exit").start()
+            return
+        why = (f"the stop did not finish within checkpoint.stop_timeout_s = {self.timeout_s:.0f} s"
+               if self.timed_out else f"second {name}")
+        threading.Thread(target=self._hard_exit, args=(signum,), daemon=True, name="m2po-hard-exit").start()
+        raise StopNow(f"{why}: exiting now without a new checkpoint", signum)
+
+    def _deadline(self, signum: int) -> None:
+        if self._cancel.wait(self.timeout_s):
+            return
+        if not self._raised:
+            self.timed_out = True
+            # a real signal to the main thread: it also interrupts a blocking wait, which interrupt_main cannot
+            signal.pthread_kill(threading.main_thread().ident, signum)
+        self._hard_exit(signum)  # in case the main thread never gets to run the handler
+
+    def _hard_exit(self, signum: int) -> None:
+        if self._cancel.wait(self.HARD_EXIT_GRACE_S):
+            return
+        print(f"m2po: still running {self.HARD_EXIT_GRACE_S:.0f} s after the forced stop; exiting hard "
+              f"(checkpoints stay consistent; the run's processes are reaped)", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
 
     def restore(self) -> None:
-        """Reinstall the handlers that were there before."""
+        """Reinstall the handlers that were there before (and stop the timers)."""
+        self._cancel.set()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
 
+    def install(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1)) -> "StopFlag":
+        """(Re)install the handlers; call again after anything that installs its own (ray.init does, for
+        SIGTERM). Main thread only."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("install_sigterm_flag must be called from the main thread (Python delivers "
+                               "signals only there); call it in the training loop's process before starting threads")
+        for sig in signals:
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
+        return self
 
-def install_sigterm_flag(signals: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1)) -> StopFlag:
+
+def install_sigterm_flag(signals: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1), timeout_s: float = 0.0) -> StopFlag:
     """Install handlers for `signals` (default SIGTERM and SIGUSR1) that set a flag. Main thread only."""
-    if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("install_sigterm_flag must be called from the main thread (Python delivers "
-                           "signals only there); call it in the training loop's process before starting threads")
-    flag = StopFlag()
-    for sig in signals:
-        flag._previous[sig] = signal.signal(sig, flag._handle)
-    return flag
+    return StopFlag(timeout_s).install(signals)

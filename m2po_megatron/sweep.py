@@ -61,6 +61,7 @@ class Run:
     run_dir: str
     nodes: int = 0
     axes: dict[str, str] = field(default_factory=dict)
+    memory_gib: Optional[dict] = None  # the per-GPU memory estimate of a trainer rank (config.estimate_memory)
 
     @property
     def argv(self) -> list[str]:
@@ -185,13 +186,14 @@ def layout(recipe: str, overrides: list[str]) -> tuple[int, int, str]:
 
 def validate_runs(runs: list[Run]) -> None:
     """Load every run's config (the full validation) and fill in its node count; all errors at once."""
-    from m2po_megatron.config import ConfigError
+    from m2po_megatron.config import ConfigError, estimate_memory, load_config
 
     errors = []
     for r in runs:
         try:
-            t, ro, _ = layout(r.recipe, r.overrides)
-            r.nodes = t + ro
+            cfg = load_config(r.recipe, r.overrides, check_files=False)
+            r.nodes = int(cfg.cluster.trainer_nodes) + int(cfg.cluster.rollout_nodes)
+            r.memory_gib = estimate_memory(cfg)
         except ConfigError as e:
             errors.append(f"run {r.name} ({r.recipe}): {e}")
     if errors:
@@ -286,6 +288,11 @@ def submit(sweep_path: str | Path, dry_run: bool = False, out=sys.stdout) -> dic
                 for i, rn in enumerate(s.runs):
                     label = f"task {i}" if s.kind == "array" else "run"
                     print(f"    {label}: {rn}: {shlex.join(by_name[rn].argv)}", file=out)
+                    if by_name[rn].memory_gib:
+                        from m2po_megatron.memory import format_estimate
+
+                        print(f"        memory estimate per trainer GPU: {format_estimate(by_name[rn].memory_gib)}",
+                              file=out)
             if not dry_run:
                 res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
                 if res.returncode != 0:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import time
+import uuid
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -24,24 +26,47 @@ def train(cfg: DictConfig) -> Path:
 
     rdir = run_dir(cfg)
     ckpts = CheckpointManager(rdir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
-    resume_from = ckpts.resolve_resume(cfg.run.resume)
+    stop = install_sigterm_flag(timeout_s=cfg.checkpoint.stop_timeout_s)  # honoured during set-up too
+    try:  # everything the run needs is read and checked before anything is written or Ray starts
+        resume_from = check_run_dir(cfg, rdir, ckpts)
+        tokenizer = load_tokenizer(cfg)
+        prompts, eval_rows = load_data(cfg, tokenizer)
+        check_ports(cfg)
+    except BaseException:
+        stop.restore()
+        raise
+    start_step = checkpoint_step(resume_from)
+    if start_step >= cfg.train.steps:
+        print(f"[m2po] {rdir} is complete at step {start_step} (train.steps = {cfg.train.steps}); nothing to do. "
+              f"Raise train.steps to continue it.", flush=True)
+        stop.restore()
+        return rdir
+    lock = claim_run_dir(cfg, rdir, ckpts, resume_from)  # the directory is this process's until it exits
     save_resolved(cfg, rdir)
     logger = MetricsLogger(rdir, config=as_plain(cfg), wandb_mode=cfg.logging.wandb_mode,
                            project=cfg.logging.wandb_project, entity=cfg.logging.wandb_entity,
-                           name=cfg.run.name, resume=resume_from is not None)
-    stop = install_sigterm_flag()
+                           name=cfg.run.name, resume=resume_from is not None, resume_step=start_step)
     seed_everything(cfg.run.seed)
     world = trainer_world_size(cfg)
-    init_ray(cfg.cluster.ray_address, tmpdir=cfg.cluster.ray_tmpdir,
-             object_store_memory_mb=cfg.cluster.object_store_memory_mb, trainer_slots=world,
-             rollout_slots=cfg.rollout.num_servers)
+    try:
+        init_ray(cfg.cluster.ray_address, tmpdir=cfg.cluster.ray_tmpdir,
+                 object_store_memory_mb=cfg.cluster.object_store_memory_mb, trainer_slots=world,
+                 rollout_slots=cfg.rollout.num_servers)
+    except SystemExit as e:  # SIGTERM during ray.init reaches Ray's handler (sys.exit(15)): nothing to save yet
+        shutdown_ray()
+        logger.close()
+        lock.release()
+        stop.restore()
+        if e.code != signal.SIGTERM:
+            raise
+        print(f"[m2po] stopped by SIGTERM while Ray started, before training; {resume_hint(ckpts)}", flush=True)
+        return rdir
+    stop.install()  # ray.init put its own SIGTERM handler (sys.exit) over ours
     engines = trainers = generator = rewards = client = None
     try:
-        tokenizer = load_tokenizer(cfg)
-        prompts, eval_rows = load_data(cfg)
         engines, urls = start_rollout_engines(cfg, rdir)
         client = make_client(cfg, urls)
-        trainers = start_trainers(cfg, world, rdir)
+        trainers = start_trainers(cfg, world, rdir, ckpts)
         init_weight_sync(cfg, trainers, urls)
         rewards = make_reward_pool(cfg)
         ledger = SampleLedger()
@@ -50,23 +75,24 @@ def train(cfg: DictConfig) -> Path:
         if resume_from is not None:
             step, version = restore(resume_from, trainers, prompts, ledger, generator)
             push_weights(trainers, generator, version)  # new servers hold the base weights
-        if step == 0 and eval_rows:  # the starting point, before generation competes for the servers
-            logger.log(evaluate(cfg, client, tokenizer, eval_rows, rdir, step, generator), step=0)
+        saved = step  # the step of the latest checkpoint of this run
+        if step == 0 and eval_rows and not stop.requested:  # the starting point, before generation competes
+            logger.log(report_eval(evaluate(cfg, client, tokenizer, eval_rows, rdir, step, generator), 0), step=0)
         start_generation(generator)
 
         restarts = server_restarts(engines)
         U = cfg.train.updates_per_step
-        progress = Progress(cfg.train.steps - step, "train", unit="step")
+        progress = Progress(cfg.train.steps, "train", unit="step", initial=step)
         synced = version  # the version the servers hold
         while step < cfg.train.steps and not stop.requested:
             t0 = time.perf_counter()
-            groups = generator.next_groups(version)  # blocks until a batch may be trained
+            groups = next_batch(cfg, generator, version, ckpts)  # blocks until a batch may be trained
             t_wait = time.perf_counter() - t0
 
             with generator.lock:  # the generation thread writes the ledger too
                 sb = build_batch(cfg, groups, version, ledger)  # advantages, staleness gating, ledger
             t1 = time.perf_counter()
-            out = train_on(cfg, trainers, sb.batch, ckpts)
+            out = train_on(cfg, trainers, sb.batch)
             out.update(logprob_mismatch(sb.samples, out.pop("per_update", None), version))
             t_train = time.perf_counter() - t1
             applied = U if sb.batch is not None else 0  # a step whose samples were all dropped updates nothing
@@ -93,24 +119,33 @@ def train(cfg: DictConfig) -> Path:
                        "tokens_per_s/train": sb.metrics.get("batch/tokens", 0) / max(t_train, 1e-9),
                        "tokens_per_s/gen": gen_throughput(generator, t0)}
             if eval_now:
-                metrics.update(evaluate(cfg, client, tokenizer, eval_rows, rdir, step, generator))
+                metrics.update(report_eval(evaluate(cfg, client, tokenizer, eval_rows, rdir, step, generator), step))
             logger.log(metrics, step=step)
             progress.update(postfix=f"reward {metrics.get('reward/mean', float('nan')):.3f} "
                                     f"staleness {metrics.get('staleness/mean', 0):.1f}")
             if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
                 save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
+                saved = step
 
         progress.close()
         if stop.requested:
-            print(f"[m2po] {stop.signal_name} received: checkpointing at step {step} and exiting", flush=True)
-        if not (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or stop.requested:
-            if cfg.checkpoint.save_on_sigterm or not stop.requested:
+            if cfg.checkpoint.save_on_sigterm and step > saved:
+                print(f"[m2po] {stop.signal_name} received: checkpointing at step {step} and exiting", flush=True)
                 save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
-        if not stop.requested and eval_rows and not (cfg.eval.interval and step % cfg.eval.interval == 0):
-            if synced != version:
-                push_weights(trainers, generator, version)
-            logger.log(evaluate(cfg, client, tokenizer, eval_rows, rdir, step, generator), step=step)
+            latest = ckpts.latest()
+            print(f"[m2po] stopped by {stop.signal_name} at step {step}/{cfg.train.steps}; "
+                  + (f"latest checkpoint {latest}; continue with `--resume auto`" if latest else
+                     "no checkpoint yet (stopped before the first step)"), flush=True)
+        else:
+            if step > saved:
+                save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
+            if eval_rows and not (cfg.eval.interval and step % cfg.eval.interval == 0):
+                if synced != version:
+                    push_weights(trainers, generator, version)
+                logger.log(report_eval(evaluate(cfg, client, tokenizer, eval_rows, rdir, step, generator), step),
+                           step=step)
     finally:
+        stop.leaving = True  # a signal now cannot cut the cleanup short (a hung one still ends)
         for closer in (generator, rewards, client):
             if closer is not None:
                 closer.close()
@@ -120,6 +155,8 @@ def train(cfg: DictConfig) -> Path:
             engines.shutdown()
         logger.close()
         shutdown_ray()
+        lock.release()
+        stop.restore()
     return rdir
 
 
@@ -141,25 +178,114 @@ def trainer_world_size(cfg: DictConfig) -> int:
             * p.data_parallel_size)
 
 
+def check_run_dir(cfg: DictConfig, rdir: Path, ckpts):
+    """The checkpoint to resume from (None: start fresh), checked, and the refusal to start a new run over
+    another one. Reads only."""
+    from m2po_megatron.rundir import refuse_if_used
+
+    if cfg.run.overwrite:  # start over: whatever is there is moved aside (claim_run_dir)
+        return None
+    resume_from = ckpts.resolve_resume(cfg.run.resume)  # a damaged checkpoint is found here (RunStateError)
+    if cfg.run.resume == "none":
+        refuse_if_used(rdir)
+    return resume_from
+
+
+def check_ports(cfg: DictConfig) -> None:
+    """A fixed rollout.port on this machine must be free now (port 0, the default, always is)."""
+    import socket
+
+    from m2po_megatron.config import ConfigError
+
+    r = cfg.rollout
+    if r.urls or not r.port or not r.host or cfg.cluster.ray_address != "local":
+        return
+    for port in range(r.port, r.port + r.num_servers):
+        with socket.socket(socket.AF_INET6 if ":" in r.host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((r.host, port))
+            except OSError as e:
+                raise ConfigError(f"rollout.port = {r.port}: port {port} on {r.host} is in use ({e.strerror}); use "
+                                  f"rollout.port=0 (each server binds a free port) or another port") from None
+
+
+def checkpoint_step(path) -> int:
+    return 0 if path is None else int(Path(path).name.split("_")[-1])
+
+
+def claim_run_dir(cfg: DictConfig, rdir: Path, ckpts, resume_from):
+    """Take the directory's lock; --overwrite moves an old run aside; a resume drops what came after its
+    checkpoint (metrics rows, newer checkpoints), so every step is logged once."""
+    from m2po_megatron.rundir import RunDirLock, move_aside, truncate_metrics
+
+    if cfg.run.overwrite and rdir.exists():
+        old = RunDirLock(rdir).acquire()  # not while another process runs in it
+        moved = move_aside(rdir)
+        old.release()
+        if moved:
+            print(f"[m2po] --overwrite: the previous run in {rdir} was moved to {moved}", flush=True)
+    lock = RunDirLock(rdir).acquire()
+    step = checkpoint_step(resume_from)
+    if resume_from is not None and Path(resume_from).parent.resolve() == ckpts.root.resolve():
+        for p in ckpts.retire_newer(step):
+            print(f"[m2po] resuming from step {step}: the later checkpoint {p.name} is kept aside, not resumed",
+                  flush=True)
+    dropped = truncate_metrics(rdir / "metrics.jsonl", step if resume_from is not None else 0)
+    if dropped:
+        print(f"[m2po] metrics.jsonl: {dropped} row(s) after step {step} removed (they are recomputed)", flush=True)
+    if resume_from is not None:
+        print(f"[m2po] resuming from {resume_from} (step {step})", flush=True)
+    return lock
+
+
 def load_tokenizer(cfg: DictConfig):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.hf_path)
+    from m2po_megatron.config import ConfigError
+
+    ref = cfg.model.tokenizer or cfg.model.hf_path
+    try:
+        return AutoTokenizer.from_pretrained(ref)
+    except (OSError, ValueError) as e:
+        key = "model.tokenizer" if cfg.model.tokenizer else "model.hf_path"
+        raise ConfigError(f"{key} = {ref!r}: no tokenizer could be loaded ({str(e).splitlines()[0]}); give a "
+                          f"directory with tokenizer files (or set model.tokenizer)") from None
 
 
-def load_data(cfg: DictConfig):
-    from m2po_megatron.generation import PromptStream, load_prompt_rows
+def load_data(cfg: DictConfig, tokenizer=None):
+    """The training prompts and eval sets, read and checked (rows, prompt lengths) before Ray starts: a bad
+    file is a ConfigError naming the field, the file and the line."""
+    from m2po_megatron.config import ConfigError
+    from m2po_megatron.eval.benchmarks import EvalSet
+    from m2po_megatron.generation import PromptStream, Tokenize, load_prompt_rows
 
     if not cfg.data.train_path:
-        raise ValueError("data.train_path is not set; prepare data with `m2po prepare-data`")
-    from m2po_megatron.eval.benchmarks import EvalSet
-
-    prompts = PromptStream(load_prompt_rows(cfg.data.train_path), cfg.data.shuffle_seed)
-    e = cfg.eval
-    eval_sets = []
-    for path in cfg.data.eval_paths:
-        name = Path(path).name.split(".")[0]
-        eval_sets.append(EvalSet(name, load_prompt_rows(path), e.n_samples_overrides.get(name, e.n_samples)))
+        raise ConfigError("data.train_path is not set; prepare data with `m2po prepare-data`")
+    tokenize = Tokenize(tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_len) if tokenizer else None
+    files = [("data.train_path", cfg.data.train_path)]
+    files += [(f"data.eval_paths[{i}]", p) for i, p in enumerate(cfg.data.eval_paths)]
+    loaded = []
+    for key, path in files:
+        try:
+            rows = load_prompt_rows(path)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None
+        for row in rows if tokenize is not None else []:
+            try:
+                tokenize(row["prompt"])
+            except Exception as e:  # noqa: BLE001 - a tokenizer may fail in many ways on odd text
+                raise ConfigError(f"{key}: {path}: row {row['id']}: {e}") from None
+        loaded.append(rows)
+    try:
+        prompts = PromptStream(loaded[0], cfg.data.shuffle_seed)
+        e = cfg.eval
+        eval_sets = []
+        for path, rows in zip(cfg.data.eval_paths, loaded[1:]):
+            name = Path(path).name.split(".")[0]
+            eval_sets.append(EvalSet(name, rows, e.n_samples_overrides.get(name, e.n_samples)))
+    except ValueError as e:
+        raise ConfigError(f"data: {e}") from None
     return prompts, eval_sets
 
 
@@ -175,15 +301,20 @@ def start_rollout_engines(cfg: DictConfig, rdir: Path):
     api_key = secret(r.api_key, "M2PO_API_KEY")
     if r.urls:
         return None, EngineManager.attach(list(r.urls), api_key=api_key, timeout_s=r.health_timeout_s)
+    from m2po_megatron.run_state import RunError
+
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get(ROLLOUT_RESOURCE)]
     if not nodes:
-        raise RuntimeError(f"no Ray node offers the '{ROLLOUT_RESOURCE}' resource for rollout servers; start "
-                           f"rollout nodes with --resources='{{\"{ROLLOUT_RESOURCE}\": N}}' (slurm/ does)")
+        raise RunError(f"no Ray node offers the '{ROLLOUT_RESOURCE}' resource for rollout servers; start "
+                       f"rollout nodes with --resources='{{\"{ROLLOUT_RESOURCE}\": N}}' (slurm/ does)")
+    # Each server carries this run's identity; the launcher checks it before the run uses a server, so a
+    # run never talks to another run's server. Port 0: the launcher binds a free port itself.
+    identity = f"m2po-{uuid.uuid4().hex[:12]}"
     specs = [ServerSpec(model_path=str(Path(cfg.model.hf_path).resolve()), engine=r.engine, host=r.host or "auto",
-                        port=r.port + i if r.host else 0, tp_size=r.tp_size, dp_size=r.dp_size,
+                        port=r.port + i if r.port else 0, tp_size=r.tp_size, dp_size=r.dp_size,
                         mem_fraction_static=r.mem_fraction_static, context_length=r.context_length,
                         dtype=r.dtype, quantization=r.quantization, api_key=api_key,
-                        random_seed=cfg.run.seed + i, weight_version="0",
+                        random_seed=cfg.run.seed + i, weight_version="0", served_model_name=identity,
                         enable_deterministic_inference=r.deterministic_inference)
              for i in range(r.num_servers)]
     pinned = [nodes[i % len(nodes)] for i in range(r.num_servers)]
@@ -193,7 +324,8 @@ def start_rollout_engines(cfg: DictConfig, rdir: Path):
     urls = mgr.start()
     by_id = {n["NodeID"]: n for n in ray.nodes()}
     placed = [{"server": i, "node": by_id[nid]["NodeManagerHostname"], "ip": by_id[nid]["NodeManagerAddress"],
-               "url": url} for i, (nid, url) in enumerate(zip(pinned, urls))]
+               "url": url, "pid": info["pid"], "actor_pid": info["actor_pid"], "identity": identity}
+              for i, (nid, url, info) in enumerate(zip(pinned, urls, mgr.info()))]
     record_placement(rdir, "rollout", placed)
     return mgr, urls
 
@@ -248,26 +380,39 @@ def actor_kwargs(cfg: DictConfig) -> dict:
         m2po_scope="minibatch" if a.m2po.scope == "global" else "microbatch", seed=cfg.run.seed)
 
 
-def start_trainers(cfg: DictConfig, world: int, rdir: Path):
+def start_trainers(cfg: DictConfig, world: int, rdir: Path, ckpts) -> "Ranks":
     """One Ray actor per Megatron rank on the `trainer` nodes; on GPUs, one placement group per node holding
     gpus_per_node consecutive ranks (whole tensor-parallel groups)."""
-    from m2po_megatron.cluster import RankGroup
+    import ray
+
+    from m2po_megatron.cluster import PlacementTimeout, RankGroup
+    from m2po_megatron.run_state import RunError
     from m2po_megatron.trainer_worker import TrainerWorker
 
     gpus = cfg.cluster.gpus_per_node
-    group = RankGroup(TrainerWorker, world, gpus_per_rank=1 if gpus else 0, ranks_per_node=gpus or None,
-                      env={"OMP_NUM_THREADS": 1, "M2PO_TRAINER_THREADS": 1})
-    nodes = group.call("setup", actor_kwargs(cfg), timeout=1800)
+    try:
+        group = RankGroup(TrainerWorker, world, gpus_per_rank=1 if gpus else 0, ranks_per_node=gpus or None,
+                          placement_timeout_s=cfg.cluster.timeout_s, timeout_s=cfg.cluster.timeout_s,
+                          env={"OMP_NUM_THREADS": 1, "M2PO_TRAINER_THREADS": 1})
+    except PlacementTimeout as e:
+        raise RunError(f"placing {world} trainer ranks: {e} (cluster.timeout_s)") from None
+    except ray.exceptions.GetTimeoutError:
+        raise RunError(f"placing {world} trainer ranks: not placed within cluster.timeout_s = "
+                       f"{cfg.cluster.timeout_s:.0f} s; do enough Ray nodes offer the 'trainer' resource"
+                       f"{' and GPUs' if gpus else ''}?") from None
+    trainers = Ranks(group, ckpts, cfg.cluster.timeout_s)
+    nodes = trainers.call("setup", actor_kwargs(cfg), what="building the Megatron ranks")
     record_placement(rdir, "trainer", [{"rank": n["rank"], "node": n["hostname"], "ip": n["ip"], "pid": n["pid"]}
                                        for n in nodes])
-    return group
+    return trainers
 
 
 def init_weight_sync(cfg: DictConfig, trainers, urls: list[str], generation: int = 0) -> None:
     r = cfg.rollout
     ranks = r.tp_size * r.dp_size if r.engine == "sglang" else 1  # a server's GPU ranks all join the group
     trainers.call("init_weight_sync", urls, secret(r.api_key, "M2PO_API_KEY"), r.bucket_mb, 0, r.pause_mode,
-                  ranks, f"weight_update_group_{generation}", timeout=600)
+                  ranks, f"weight_update_group_{generation}", timeout=r.health_timeout_s,
+                  what=f"forming the weight-sync group with the rollout servers {urls} (rollout.health_timeout_s)")
 
 
 def server_restarts(engines) -> list[int]:
@@ -279,9 +424,11 @@ def wait_servers(cfg: DictConfig, engines, urls: list[str]) -> None:
     the run with its URL and log."""
     from m2po_megatron.rollout.launcher import wait_healthy
 
+    from m2po_megatron.run_state import RunError
+
     for info in engines.info():
-        if info.get("last_error"):
-            raise RuntimeError(f"rollout server {info['url']} is down and was not restarted: "
+        if info.get("last_error") and not info.get("alive"):
+            raise RunError(f"rollout server {info['url']} is down and was not restarted: "
                                f"{info['last_error']} (rollout.max_restarts = {cfg.rollout.max_restarts}); "
                                f"log: {info['log']}")
     for url in urls:
@@ -370,20 +517,57 @@ def build_batch(cfg: DictConfig, groups, version: int, ledger):
                             norm_by_std=cfg.algo.norm_adv_by_std, eps=cfg.algo.adv_eps)
 
 
-def train_on(cfg: DictConfig, trainers, batch, ckpts) -> dict:
+def train_on(cfg: DictConfig, trainers, batch) -> dict:
     import ray
 
     if batch is None:  # every sample of the step was dropped (counted); nothing to train on
         return {}
-    ref = ray.put(batch)
+    return trainers.call("train_step", ray.put(batch), cfg.train.updates_per_step, what="the train step")[0]
+
+
+def next_batch(cfg: DictConfig, generator, version: int, ckpts):
+    """The next batch of groups; a wait past cluster.timeout_s, or generation that failed for good (every
+    server down past its restarts), stops the run with a RunError naming it."""
+    from m2po_megatron.run_state import RunError
+
     try:
-        out = trainers.call("train_step", ref, cfg.train.updates_per_step)[0]
-    except ray.exceptions.RayActorError as e:
-        latest = ckpts.latest()
-        raise RuntimeError(f"a trainer rank died during the train step ({e.__class__.__name__}); the run stops. "
-                           + (f"Resume from {latest} with `--resume auto`." if latest else
-                              "No checkpoint was written yet; start again.")) from e
-    return out
+        return generator.next_groups(version, timeout_s=cfg.cluster.timeout_s)
+    except (TimeoutError, RuntimeError) as e:
+        raise RunError(f"waiting for rollouts: {e}; the run stops. {resume_hint(ckpts)}") from e
+
+
+def resume_hint(ckpts) -> str:
+    latest = ckpts.latest()
+    return (f"Resume from {latest} with `--resume auto`." if latest else
+            "No checkpoint was written yet; start again (with --overwrite).")
+
+
+class Ranks:
+    """The trainer ranks as the loop calls them: every call has a deadline (cluster.timeout_s unless given),
+    and a rank that died or a deadline that passed becomes a RunError naming the call and the checkpoint
+    to resume from. Errors raised inside a rank pass through (the caller knows what they mean)."""
+
+    def __init__(self, group, ckpts, timeout_s: float):
+        self.group, self.ckpts, self.timeout_s = group, ckpts, timeout_s
+
+    def call(self, method: str, *args, timeout: float | None = None, what: str | None = None, **kwargs):
+        import ray
+
+        from m2po_megatron.run_state import RunError
+
+        what = what or f"{method} on the trainer ranks"
+        timeout = timeout or self.timeout_s
+        try:
+            return self.group.call(method, *args, timeout=timeout, **kwargs)
+        except ray.exceptions.GetTimeoutError:
+            raise RunError(f"{what}: no answer from the trainer ranks within {timeout:.0f} s; the run stops. "
+                           f"{resume_hint(self.ckpts)}") from None
+        except ray.exceptions.RayActorError as e:
+            raise RunError(f"a trainer rank died during {what} ({e.__class__.__name__}); the run stops. "
+                           f"{resume_hint(self.ckpts)}") from e
+
+    def kill(self) -> None:
+        self.group.kill()
 
 
 def logprob_mismatch(samples, per_update, version: int) -> dict:
@@ -409,7 +593,7 @@ def recompute_behaviour_logprobs(trainers, groups) -> None:
         return
     batch = TrainBatch(input_ids=[torch.tensor(s.prompt_ids + s.output_ids) for s in samples],
                        prompt_lens=[len(s.prompt_ids) for s in samples])
-    logps = trainers.call("compute_log_probs", ray.put(batch))[0]
+    logps = trainers.call("compute_log_probs", ray.put(batch), what="recomputing behaviour log-probs")[0]
     for s, lp in zip(samples, logps):
         s.logprobs = [float(x) for x in lp]
 
@@ -446,7 +630,7 @@ def generator_resume(generator, paused: bool) -> None:
 
 
 def sync_weights(trainers, version: int) -> dict:
-    stats = trainers.call("sync_weights", version, timeout=1800)[0]
+    stats = trainers.call("sync_weights", version, what=f"the weight sync of version {version}")[0]
     return {f"weight_sync/{k}": v for k, v in stats.items() if isinstance(v, (int, float))}
 
 
@@ -476,6 +660,15 @@ class _LockedRewards:
             return self.pool.score(responses, answers)
 
 
+def report_eval(metrics: dict, step: int) -> dict:
+    """Print an evaluation's accuracy (the loop logs the same numbers); returns the metrics."""
+    per = [f"{k.split('/')[1]} {v:.1f}%" for k, v in metrics.items()
+           if k.endswith("/pass@1") and k != "eval/avg/pass@1"]
+    print(f"[m2po] eval at step {step}: pass@1 {metrics.get('eval/avg/pass@1', float('nan')):.1f}% "
+          f"({', '.join(per)})", flush=True)
+    return metrics
+
+
 def evaluate(cfg: DictConfig, client, tokenizer, eval_sets: list, rdir: Path, step: int, generator) -> dict:
     """avg@k pass@1 per benchmark through the rollout engines, at the weights the servers hold (the loop
     syncs them to the trainer's first); tables in RUN_DIR/eval/."""
@@ -501,7 +694,7 @@ def save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator) 
         state = {"step": step, "version": version, "prompts": prompts.state_dict(),
                  "ledger": ledger.state_dict(), "generator": generator.state_dict(), "rng": capture_rng_state()}
     tmp = ckpts.begin(step)
-    trainers.call("save", str(tmp / "megatron"), timeout=1800)
+    trainers.call("save", str(tmp / "megatron"), what=f"saving the checkpoint of step {step}")
     save_run_state(tmp / "run_state.json", state)
     return ckpts.commit(step)
 
@@ -509,9 +702,19 @@ def save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator) 
 def restore(path: Path, trainers, prompts, ledger, generator) -> tuple[int, int]:
     from m2po_megatron.run_state import load_run_state, restore_rng_state
 
+    import ray
+
+    from m2po_megatron.run_state import RunStateError
+
     state = load_run_state(Path(path) / "run_state.json")
     restore_rng_state(state["rng"])
-    trainers.call("load", str(Path(path) / "megatron"), timeout=1800)
+    try:
+        trainers.call("load", str(Path(path) / "megatron"), what=f"loading the checkpoint {path}")
+    except ray.exceptions.RayTaskError as e:  # a file the manifest could not catch (same size, bad bytes)
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        raise RunStateError(f"checkpoint {path} could not be loaded ({type(cause).__name__}: "
+                            f"{str(cause).splitlines()[0] if str(cause) else ''}); resume from an earlier one "
+                            f"(--resume PATH) or start over with --overwrite") from None
     prompts.load_state_dict(state["prompts"])
     ledger.load_state_dict(state["ledger"])
     generator.load_state_dict(state["generator"])

@@ -16,6 +16,7 @@ from m2po_megatron.run_state import (
     CheckpointManager,
     RunStateError,
     capture_rng_state,
+    StopNow,
     install_sigterm_flag,
     load_run_state,
     restore_rng_state,
@@ -140,6 +141,46 @@ def test_resolve_resume(tmp_path):
         mgr.resolve_resume(tmp_path / "partial")
 
 
+def test_manifest_finds_a_truncated_or_missing_file_and_auto_skips_the_damaged(tmp_path, capsys):
+    mgr = CheckpointManager(tmp_path / "ckpt", keep_last=0)
+    for s in (1, 2, 3):
+        _save(mgr, s)
+    assert all(mgr.verify(mgr.step_dir(s)) == [] for s in (1, 2, 3))
+    weights = mgr.step_dir(3) / "model" / "weights.bin"
+    weights.write_text("w" * 10)  # a truncated copy
+    assert mgr.verify(mgr.step_dir(3)) == [f"{weights} has 10 bytes, 100 were written"]
+    (mgr.step_dir(2) / "run_state.json").unlink()
+    assert mgr.verify(mgr.step_dir(2)) == [f"{mgr.step_dir(2) / 'run_state.json'} is missing"]
+    assert mgr.resolve_resume("auto") == mgr.step_dir(1)  # the latest intact one
+    err = capsys.readouterr().err
+    assert f"checkpoint {mgr.step_dir(3)} is damaged" in err and f"checkpoint {mgr.step_dir(2)} is damaged" in err
+    with pytest.raises(RunStateError, match=r"weights.bin has 10 bytes"):  # an explicit path: refused
+        mgr.resolve_resume(mgr.step_dir(3))
+    (mgr.step_dir(1) / MARKER).write_text("{garbage")
+    with pytest.raises(RunStateError, match="every checkpoint under .* is damaged"):
+        mgr.resolve_resume("auto")
+
+
+def test_retention_never_drops_a_newer_checkpoint_for_an_older_one(tmp_path):
+    """A run resumed from step 2 of a directory that also holds step 5 (another timeline) commits step 3
+    with keep_last=1: step 3 stays; step 5 is never a reason to delete it, and retire_newer moves step 5
+    aside so that --resume auto continues this run."""
+    mgr = CheckpointManager(tmp_path, keep_last=1)
+    for s in (2, 5):
+        _save(mgr, s)
+        if s == 2:
+            mgr.keep_last = 0
+    mgr.keep_last = 1
+    moved = mgr.retire_newer(2)
+    assert [p.name.split(".")[0] for p in moved] == ["step_0000005"] and moved[0].exists()
+    _save(mgr, 3)
+    assert mgr.complete_steps() == [3] and mgr.resolve_resume("auto") == mgr.step_dir(3)
+    _save(mgr, 9)  # without retiring: the just-committed step always survives its own pruning
+    _save(CheckpointManager(tmp_path, keep_last=0), 12)
+    mgr._prune(10)
+    assert mgr.complete_steps() == [9, 12]
+
+
 def test_run_state_round_trip_with_rng(tmp_path):
     torch.manual_seed(3), np.random.seed(3), random.seed(3)
     rng = capture_rng_state()
@@ -192,11 +233,33 @@ def test_sigterm_flag_in_process():
         assert not flag.requested
         os.kill(os.getpid(), signal.SIGUSR1)
         assert flag.requested and flag.signal_name == "SIGUSR1"
-        os.kill(os.getpid(), signal.SIGTERM)  # a later signal is only recorded
-        assert flag.signal_name == "SIGUSR1"
+        with pytest.raises(StopNow, match="second SIGTERM") as e:  # a second signal: leave now
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert e.value.signum == signal.SIGTERM and flag.signal_name == "SIGUSR1"
+        os.kill(os.getpid(), signal.SIGTERM)  # a third, while leaving, changes nothing
     finally:
         flag.restore()
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
+
+
+@pytest.mark.timeout(120)
+def test_stop_timeout_interrupts_a_stuck_main_thread():
+    """The first signal arms checkpoint.stop_timeout_s; past it the main thread gets StopNow even while it
+    blocks (here on a lock nobody releases), so a stop that cannot finish still ends, promptly."""
+    code = textwrap.dedent("""
+        import os, signal, sys, threading
+        from m2po_megatron.run_state import StopNow, install_sigterm_flag
+        flag = install_sigterm_flag(timeout_s=0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        try:
+            threading.Event().wait()  # a step that never ends
+        except StopNow as e:
+            print("left:", e, flush=True)
+            sys.exit(128 + e.signum)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert p.returncode == 128 + signal.SIGTERM, p.stderr
+    assert "left: the stop did not finish within checkpoint.stop_timeout_s" in p.stdout, p.stdout
 
 
 @pytest.mark.timeout(60)

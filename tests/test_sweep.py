@@ -2,6 +2,7 @@
 and the paper recipes: each loads, validates and fits the per-GPU memory estimate under 80 GB."""
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -38,6 +39,11 @@ def test_table1_validates_and_groups_runs_by_node_count():
     sweep = sw.load_sweep(REPO / "recipes" / "sweeps" / "table1.yaml")
     runs = sw.expand(sweep)
     sw.validate_runs(runs)  # the full config validation of every run, memory estimate included
+    assert all(r.memory_gib and 0 < r.memory_gib["total"] < 80 for r in runs)
+    out = io.StringIO()
+    sw.submit(REPO / "recipes" / "sweeps" / "table1.yaml", dry_run=True, out=out)
+    lines = [ln for ln in out.getvalue().splitlines() if "memory estimate per trainer GPU:" in ln]
+    assert len(lines) == len(runs) and all(ln.endswith(" GiB") for ln in lines)  # one per run, in GiB
     assert {r.nodes for r in runs} == {2, 4}
     subs = sw.plan(sweep, runs, Path("/x"))
     assert [(s.kind, len(s.runs)) for s in subs] == [("array", 19), ("array", 3)]

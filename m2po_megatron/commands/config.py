@@ -16,8 +16,12 @@ def register(sub) -> None:
 def run(args) -> int:
     import yaml
 
-    from m2po_megatron.config import load_config, redact
+    from m2po_megatron.config import estimate_memory, load_config, redact
+    from m2po_megatron.memory import format_estimate
 
     cfg = load_config(args.recipe, args.overrides, check_files=not args.no_check_files)
     print(yaml.safe_dump(redact(cfg), sort_keys=False), end="")
+    est = estimate_memory(cfg)  # a YAML comment, so the output stays a valid recipe
+    print("# memory estimate per trainer GPU: " + (format_estimate(est) if est else
+                                                   "unknown (no model config.json; set model.hf_config)"))
     return 0

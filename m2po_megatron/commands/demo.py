@@ -35,8 +35,10 @@ def run(args) -> int:
     from m2po_megatron.train import train
 
     task = ensure_tiny_task(args.task_dir, args.seed)
+    # run.resume=auto: a second `make demo` continues an interrupted demo or, finished, only reports it
+    # (run.overwrite=true starts over)
     overrides = [f"model.hf_path={task}", f"data.train_path={task / 'train.jsonl'}",
-                 f"data.eval_paths=[{task / 'eval.jsonl'}]", *args.overrides]
+                 f"data.eval_paths=[{task / 'eval.jsonl'}]", "run.resume=auto", *args.overrides]
     cfg = load_config("tiny-cpu", overrides)
     rdir = train(cfg)
     png = plot_runs([rdir], rdir / "plot.png")

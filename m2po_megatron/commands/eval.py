@@ -109,7 +109,14 @@ def handler(args) -> int:
             return 2
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model_path)
+    from m2po_megatron.rollout.launcher import ServerStartError
+
+    try:
+        tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model_path)
+    except (OSError, ValueError) as e:
+        print(f"m2po eval: cannot load a tokenizer from {args.tokenizer or args.model_path} "
+              f"({str(e).splitlines()[0]}); give --tokenizer DIR", file=sys.stderr)
+        return 2
     cleanup = []
     try:
         if args.engine == "hf":
@@ -142,6 +149,9 @@ def handler(args) -> int:
         res = evaluate(gen, tok, sets, temperature=args.temperature, top_p=args.top_p,
                        max_new_tokens=args.max_new_tokens, reward_pool=pool, out_dir=args.out, step=args.step,
                        log=lambda m: print(m, file=sys.stderr))
+    except (ServerStartError, OSError, ValueError) as e:  # a model it cannot load or serve: name it
+        print(f"m2po eval: {args.model_path}: {e or type(e).__name__}", file=sys.stderr)
+        return 1
     finally:
         for f in reversed(cleanup):
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -69,6 +70,20 @@ def handler(args) -> int:
                   file=sys.stderr)
             return 2
     out = Path(args.out)
+    try:  # before any reading: a bad --out fails first and writes nothing elsewhere
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        print(f"m2po prepare-data: --out {args.out}: cannot write there ({e.strerror or e}); give a writable "
+              "directory", file=sys.stderr)
+        return 2
+    if args.eval_dir and not Path(args.eval_dir).is_dir():
+        print(f"m2po prepare-data: --eval-dir {args.eval_dir}: no such directory; give the directory with the "
+              "<name>.jsonl eval sets (e.g. ../shared/data/eval_normalized) or leave it out for the shipped ones",
+              file=sys.stderr)
+        return 2
     summary: dict = {"template": args.template, "chat_template": args.chat_template, "seed": args.seed,
                      "train": None, "eval": {}, "eval_missing": []}
     kw = dict(template=args.template, tokenizer=tokenizer, dedup=not args.no_dedup,
@@ -99,17 +114,26 @@ def handler(args) -> int:
         report = PrepareReport(source=args.input)
         records = []
         for f in files:
-            recs, rr = read_records(f)
+            try:
+                recs, rr = read_records(f)
+            except (OSError, ValueError, UnicodeDecodeError, ImportError) as e:
+                print(f"m2po prepare-data: cannot read {f}: {e}", file=sys.stderr)
+                return 2
             records += recs
             report.malformed += [{"file": f, **m} for m in rr.malformed]
             report.rows_in += len(rr.malformed)
         rows, report = prepare_rows(records, _source_name(args.input), seed=None if args.no_shuffle else args.seed,
                                     report=report, **kw)
         if too_broken(report, args.input):
-            return 1
+            return 2
         if args.max_rows is not None:
             rows = rows[: args.max_rows]
             report.rows_out = len(rows)
+        if not rows:
+            print(f"m2po prepare-data: --input {args.input}: no usable rows ({report.rows_in} read, "
+                  f"{len(report.malformed)} malformed, {report.duplicates} duplicates); check the file and "
+                  "--problem-key/--answer-key", file=sys.stderr)
+            return 2
         summary["train"] = {**report.as_dict(), "files": emit(rows, "train")}
         _say(f"train: {report.rows_out} rows ({report.duplicates} duplicates, {len(report.malformed)} malformed "
              f"skipped) from {report.rows_in}")
@@ -120,16 +144,27 @@ def handler(args) -> int:
             summary["eval_missing"].append(name)
             _say(f"eval {name}: not found in {eval_dir} (skipped)")
             continue
-        recs, rr = read_records(f)
+        try:
+            recs, rr = read_records(f)
+        except (OSError, ValueError, UnicodeDecodeError, ImportError) as e:
+            print(f"m2po prepare-data: cannot read eval set {f}: {e}", file=sys.stderr)
+            return 2
         rep = PrepareReport(source=name, malformed=list(rr.malformed))
         rep.rows_in = len(rr.malformed)
         # eval sets keep their order and ids; duplicates are kept (a benchmark is what it is)
         rows, rep = prepare_rows(recs, name, seed=None, report=rep, **{**kw, "dedup": False})
         if too_broken(rep, str(f)):
-            return 1
+            return 2
+        if not rows:
+            print(f"m2po prepare-data: eval set {f}: no usable rows", file=sys.stderr)
+            return 2
         summary["eval"][name] = {**rep.as_dict(), "files": emit(rows, f"eval/{name}")}
         _say(f"eval {name}: {rep.rows_out} rows ({len(rep.malformed)} malformed skipped)")
-    out.mkdir(parents=True, exist_ok=True)
+    wanted = [n for n in args.eval_sets.split(",") if n]
+    if wanted and len(summary["eval_missing"]) == len(wanted):
+        print(f"m2po prepare-data: none of the eval sets {wanted} is in {eval_dir}; check --eval-dir/--eval-sets "
+              "(or --eval-sets '' for none)", file=sys.stderr)
+        return 2
     (out / "prepare_report.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     _say(f"wrote {out}/prepare_report.json")
     return 0

@@ -12,6 +12,9 @@ def register(sub) -> None:
     p.add_argument("--resume", default=None, metavar="auto|none|PATH",
                    help="continue from the latest checkpoint of the run (auto) or a checkpoint path "
                         "(same as run.resume=...)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in a run directory that holds another run; the old one is moved to "
+                        "RUN_DIR.replaced-TIME (same as run.overwrite=true)")
     p.set_defaults(func=run)
 
 
@@ -19,6 +22,7 @@ def run(args) -> int:
     from m2po_megatron.config import load_config
 
     overrides = list(args.overrides) + ([f"run.resume={args.resume}"] if args.resume else [])
+    overrides += ["run.overwrite=true"] if args.overwrite else []
     cfg = load_config(args.recipe, overrides)  # every recipe error surfaces here, before Ray starts
     from m2po_megatron.train import train
 

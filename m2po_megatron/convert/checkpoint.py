@@ -217,6 +217,36 @@ def _ckpt_tensor_meta(ckpt_dir: str) -> dict[str, tuple[tuple[int, ...], torch.d
             if isinstance(v, TensorStorageMetadata)}
 
 
+def check_readable(ckpt_dir: str) -> None:
+    """Fail naming the file when a dist checkpoint cannot be read: no or unparsable metadata.json, an
+    unreadable .metadata index, a *.distcp file missing or shorter than the index says (truncated)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    mj = os.path.join(ckpt_dir, "metadata.json")
+    if not os.path.isfile(mj):
+        raise FileNotFoundError(f"{ckpt_dir} is not a Megatron dist checkpoint (no metadata.json)")
+    hint = "the checkpoint is damaged; restore it or use another one"
+    try:
+        with open(mj, encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{mj} cannot be read as JSON ({e}); {hint}") from None
+    try:
+        md = FileSystemReader(ckpt_dir).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a pickle of any shape: name the file whatever broke
+        raise ValueError(f"{os.path.join(ckpt_dir, '.metadata')} cannot be read ({type(e).__name__}: {e}); "
+                         f"{hint}") from None
+    need: dict[str, int] = {}
+    for item in (getattr(md, "storage_data", None) or {}).values():
+        need[item.relative_path] = max(need.get(item.relative_path, 0), item.offset + item.length)
+    for rel, n in sorted(need.items()):
+        p = os.path.join(ckpt_dir, rel)
+        if not os.path.isfile(p):
+            raise ValueError(f"{p} is missing; {hint}")
+        if os.path.getsize(p) < n:
+            raise ValueError(f"{p} has {os.path.getsize(p)} bytes but its index needs {n} (truncated); {hint}")
+
+
 def find_hf_config_dir(ckpt_dir: str, hf_config: str | None) -> str:
     for cand in (hf_config, os.path.join(ckpt_dir, "hf")):
         if cand and os.path.isfile(os.path.join(cand, "config.json")):
@@ -294,6 +324,7 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, hf_config: str | None = None,
     from m2po_megatron.convert.hf_writer import ShardedSafetensorsWriter
 
     cfg_dir = find_hf_config_dir(ckpt_dir, hf_config)
+    check_readable(ckpt_dir)
     spec = read_hf_config(cfg_dir)
     from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
 

@@ -83,6 +83,9 @@ def load_eval_sets(eval_dir: str | Path, names: list[str] | None = None,
     from ..data.records import load_rows
 
     eval_dir = Path(eval_dir)
+    if not eval_dir.is_dir():
+        raise FileNotFoundError(f"eval directory {eval_dir} does not exist; prepare it with `m2po prepare-data "
+                                f"--out DIR` (the sets are in DIR/eval)")
     if names is None:
         names = sorted(n for n in {p.name.split(".")[0] for p in eval_dir.iterdir() if p.is_file()}
                        if find_eval_file(eval_dir, n) is not None)
@@ -91,9 +94,12 @@ def load_eval_sets(eval_dir: str | Path, names: list[str] | None = None,
         f = find_eval_file(eval_dir, name)
         if f is None:
             raise FileNotFoundError(f"eval set {name!r}: no {name}.jsonl in {eval_dir}; run `m2po prepare-data`")
-        rows = load_rows(f)[:limit] if limit else load_rows(f)
         k = n_samples if isinstance(n_samples, int) else (n_samples or {}).get(name, EVAL_SETS.get(name, 4))
-        sets.append(EvalSet(name, rows, k))
+        try:
+            rows = load_rows(f)[:limit] if limit else load_rows(f)
+            sets.append(EvalSet(name, rows, k))
+        except (OSError, ValueError) as e:  # unreadable, not JSON, malformed rows: name the file
+            raise ValueError(f"eval set {f}: {e}") from None
     if not sets:
         raise FileNotFoundError(f"no eval sets found in {eval_dir}")
     return sets

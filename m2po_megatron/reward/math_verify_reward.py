@@ -2,13 +2,14 @@
 
 1.0 when math-verify says the boxed answer equals the gold answer, ``format_score`` when an answer was
 extracted but is wrong (the paper's Appendix B uses 0.1, its released code 0), 0.0 when there is no answer.
-math-verify's own time limits use SIGALRM, which only works on the main thread and cannot interrupt a long
-C-level computation (e.g. ``9^{9^{9^9}}``); training should score through :class:`RewardPool`, which
-kills and replaces stuck worker processes.
+math-verify's own time limits use SIGALRM, which only works on the main thread (its TimeoutException, not an
+Exception subclass, scores 0 here); off the main thread `judge` scores in a worker process that is killed
+past the limit. Training scores through :class:`RewardPool`, which kills and replaces stuck workers.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from dataclasses import dataclass
@@ -48,9 +49,11 @@ def judge(response: str, answer: str, format_score: float = 0.0, timeout_s: int 
     extracted = last_boxed(response or "")
     if extracted is None:
         return Verdict(0.0, NO_ANSWER, None)
-    if threading.current_thread() is not threading.main_thread():
-        timeout_s = None  # SIGALRM-based limits raise ValueError off the main thread
+    if threading.current_thread() is not threading.main_thread() and timeout_s is not None:
+        # SIGALRM-based limits do not work here: score in a worker process the pool kills past the limit
+        return _judge_in_worker(response, answer, format_score, timeout_s, extracted)
     from math_verify import verify
+    from math_verify.errors import TimeoutException  # a BaseException: `except Exception` misses it
 
     try:
         gold = _parse_answer(answer.strip().strip("$"), timeout_s)
@@ -58,9 +61,29 @@ def judge(response: str, answer: str, format_score: float = 0.0, timeout_s: int 
             return Verdict(0.0, ERROR, extracted)  # the gold answer itself cannot be read: not the policy's fault
         pred = _parse_answer(extracted, timeout_s)
         ok = bool(pred) and verify(gold, pred, timeout_seconds=timeout_s, raise_on_error=True)
-    except Exception:  # sympy failures and math-verify timeouts inside verify: the answer could not be checked
+    except (Exception, TimeoutException):  # sympy failures, math-verify timeouts: it could not be checked
         return Verdict(0.0, ERROR, extracted)
     return Verdict(1.0, CORRECT, extracted) if ok else Verdict(float(format_score), WRONG, extracted)
+
+
+_worker_pool = None
+_worker_lock = threading.Lock()
+
+
+def _judge_in_worker(response: str, answer: str, format_score: float, timeout_s: float, extracted: str) -> Verdict:
+    """judge() off the main thread: one shared reward worker process (started on first use), killed and
+    replaced when an item runs past timeout_s, which then scores 0 (status error)."""
+    global _worker_pool
+    from .pool import RewardPool
+
+    with _worker_lock:
+        if _worker_pool is None:
+            _worker_pool = RewardPool(num_workers=1, timeout_s=float(timeout_s))
+            atexit.register(_worker_pool.close)
+        _worker_pool.timeout_s, _worker_pool.format_score = float(timeout_s), float(format_score)
+        scores, st = _worker_pool.score([response], [answer])
+    status = CORRECT if st.correct else WRONG if st.wrong else NO_ANSWER if st.no_answer else ERROR
+    return Verdict(scores[0], status, extracted)
 
 
 def math_verify_reward(response: str, answer: str, format_score: float = 0.0) -> float:

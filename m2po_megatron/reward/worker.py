@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 
 def main() -> int:
+    # A stop signal sent to every process of a Slurm step is for the driver, which checkpoints and then
+    # closes our stdin; scoring continues until then.
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     sys.stdout = sys.stderr  # stray prints from libraries must not corrupt the protocol stream
     from .math_verify_reward import _quiet_math_verify, judge

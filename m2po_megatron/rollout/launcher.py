@@ -15,9 +15,12 @@ pause and abort must address every server anyway, so no sglang-router sits in fr
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
+import concurrent.futures
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +34,49 @@ from m2po_megatron.net import free_port
 
 class ServerStartError(RuntimeError):
     """A server could not be started; the message carries the cause and the tail of its log."""
+
+
+class ForeignServerError(ServerStartError):
+    """Something answers at the server's URL, but it is not the server this run started (another run's
+    server on a port taken in between): the run never talks to it."""
+
+
+LISTEN_FD_ENV = "M2PO_LISTEN_FD"  # the CPU server serves on this inherited, already bound socket
+
+
+def bind_listener(host: str, port: int = 0, wait_s: float = 0.0) -> socket.socket:
+    """A socket bound to host:port (0: the kernel picks a free port), handed to the CPU server, which
+    serves on it: the port is never free between choosing and serving, and stays ours across restarts.
+    `wait_s`: retry while the port is still held (a killed predecessor being reaped)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+            s.set_inheritable(True)
+            return s
+        except OSError as e:
+            s.close()
+            if time.monotonic() >= deadline:
+                raise ServerStartError(f"port {port} on {host} is not free ({e.strerror}); pick another port or 0 "
+                                       "for a free one (rollout.port=0)") from e
+            time.sleep(0.2)
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGKILL the server when the thread that started it goes (its Ray actor killed), so no
+    orphan keeps the port. Linux only; called between fork and exec."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+try:  # resolved now: the child between fork and exec must not load libraries
+    import ctypes
+
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):  # pragma: no cover - no prctl
+    _PRCTL = None
 
 
 @dataclasses.dataclass
@@ -52,6 +98,7 @@ class ServerSpec:
     max_running_requests: int | None = None
     weight_version: str | None = None
     enable_deterministic_inference: bool = False  # sampling_seed takes effect only with it (SGLang and ours)
+    served_model_name: str | None = None   # the run's identity: checked in /get_server_info before use
     extra_args: tuple[str, ...] = ()       # further SGLang flags, checked against the contract
 
 
@@ -61,7 +108,7 @@ LOCAL_FLAGS = {"model_path", "host", "port", "api_key", "skip_tokenizer_init", "
                "mem_fraction_static", "quantization", "trust_remote_code", "served_model_name",
                "enable_deterministic_inference", "allow_auto_truncate"}
 _FIELD_FLAGS = ["tp_size", "dp_size", "mem_fraction_static", "context_length", "dtype", "quantization",
-                "random_seed", "max_running_requests", "weight_version"]
+                "random_seed", "max_running_requests", "weight_version", "served_model_name"]
 
 
 def build_command(spec: ServerSpec, python: str = sys.executable) -> list[str]:
@@ -143,10 +190,23 @@ def log_tail(path: str | os.PathLike, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def check_identity(url: str, served_model_name: str, api_key: str | None = None) -> None:
+    """Raise ForeignServerError unless the server at `url` reports `served_model_name` (SGLang's
+    /get_server_info returns its server args; so does the CPU server)."""
+    try:
+        status, text = _http.request(f"{url}/get_server_info", api_key=api_key, timeout=30)
+        got = json.loads(text).get("served_model_name") if status == 200 else f"HTTP {status}"
+    except (OSError, ValueError, AttributeError) as e:
+        got = f"no answer ({e!r})"
+    if got != served_model_name:
+        raise ForeignServerError(f"{url} answers, but not as this run's server (served_model_name {got!r}, expected "
+                                 f"{served_model_name!r}): another process holds the port; the run will not use it")
+
+
 def wait_healthy(url: str, *, api_key: str | None = None, timeout_s: float = 600.0, proc=None,
-                 log_path: str | None = None) -> None:
-    """Poll /health_generate until 200; raise ServerStartError with the log tail if the process exits or time
-    runs out."""
+                 log_path: str | None = None, served_model_name: str | None = None) -> None:
+    """Poll /health_generate until 200 (then, given `served_model_name`, check that the server is ours);
+    raise ServerStartError with the log tail if the process exits or time runs out."""
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
     while time.monotonic() < deadline:
@@ -156,6 +216,8 @@ def wait_healthy(url: str, *, api_key: str | None = None, timeout_s: float = 600
         try:
             status, text = _http.request(f"{url}/health_generate", api_key=api_key, timeout=30)
             if status == 200:
+                if served_model_name is not None:
+                    check_identity(url, served_model_name, api_key)
                 return
             last = f"HTTP {status}: {text[:200]}"
         except OSError as e:
@@ -169,8 +231,16 @@ class ServerProcess:
     """One server subprocess with its log file, health wait and bounded automatic restarts."""
 
     def __init__(self, spec: ServerSpec, log_path: str, *, max_restarts: int = 3, health_timeout_s: float = 600.0,
-                 env: dict | None = None):
-        self.spec = dataclasses.replace(spec, port=spec.port or free_port(spec.host))
+                 env: dict | None = None, bind_wait_s: float = 0.0):
+        """bind_wait_s: how long to wait for a fixed port still held by a killed predecessor."""
+        # The CPU server serves on a socket bound here (no race, same port across restarts); SGLang binds
+        # its own, so its free port is chosen here and a start that loses the port is retried elsewhere.
+        self._listener = bind_listener(spec.host, spec.port, bind_wait_s) if spec.engine == "local" else None
+        port = self._listener.getsockname()[1] if self._listener else (spec.port or free_port(spec.host))
+        self._auto_port = not spec.port
+        self.spec = dataclasses.replace(spec, port=port)
+        # Every spawn from one long-lived thread: PR_SET_PDEATHSIG fires when the spawning thread ends.
+        self._spawner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawn")
         self.log_path = str(log_path)
         self.max_restarts = max_restarts
         self.health_timeout_s = health_timeout_s
@@ -188,25 +258,42 @@ class ServerProcess:
         return f"http://{host}:{self.spec.port}"
 
     def _spawn(self) -> None:
+        self._spawner.submit(self._spawn_here).result()
+
+    def _spawn_here(self) -> None:
         cmd = build_command(self.spec)
         pathlib.Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, **(self.env or {}))
+        fds: tuple[int, ...] = ()
+        if self._listener is not None:
+            env[LISTEN_FD_ENV] = str(self._listener.fileno())
+            fds = (self._listener.fileno(),)
         with open(self.log_path, "a") as log:
             log.write(f"\n==== start {time.strftime('%Y-%m-%d %H:%M:%S')} (restart {self.restarts}): "
                       f"{redact(cmd)}\n")
             log.flush()
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=fds,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+
+    def _wait_healthy(self) -> None:
+        wait_healthy(self.url, api_key=self.spec.api_key, timeout_s=self.health_timeout_s, proc=self.proc,
+                     log_path=self.log_path, served_model_name=self.spec.served_model_name)
 
     def start(self) -> str:
-        preflight(self.spec)
-        self._spawn()
-        try:
-            wait_healthy(self.url, api_key=self.spec.api_key, timeout_s=self.health_timeout_s, proc=self.proc,
-                         log_path=self.log_path)
-        except ServerStartError:
-            self._kill()
-            raise
+        if self._listener is None:
+            preflight(self.spec)
+        for attempt in range(3):
+            self._spawn()
+            try:
+                self._wait_healthy()
+                break
+            except ServerStartError as e:
+                self._kill()
+                # SGLang on a port chosen here that someone took first: choose another (bounded)
+                if not (self._auto_port and self._listener is None and attempt < 2
+                        and (isinstance(e, ForeignServerError) or "address already in use" in str(e).lower())):
+                    raise
+                self.spec = dataclasses.replace(self.spec, port=free_port(self.spec.host))
         self._watch = threading.Thread(target=self._watchdog, daemon=True, name=f"watch-{self.spec.port}")
         self._watch.start()
         return self.url
@@ -220,13 +307,14 @@ class ServerProcess:
                         return
                     if self.restarts >= self.max_restarts:
                         self.last_error = f"exited with {proc.returncode}; restart budget {self.max_restarts} spent"
+                        if self._listener is not None:  # refuse connections now rather than queue them
+                            self._listener.close()
                         return
                     self.restarts += 1
                     time.sleep(0.5)  # let the port go
                     try:
                         self._spawn()
-                        wait_healthy(self.url, api_key=self.spec.api_key, timeout_s=self.health_timeout_s,
-                                     proc=self.proc, log_path=self.log_path)
+                        self._wait_healthy()
                         self.last_error = None
                     except ServerStartError as e:
                         self.last_error = str(e)
@@ -257,25 +345,28 @@ class ServerProcess:
         self._stopping = True
         with self._lock:
             self._kill()
+        if self._listener is not None:
+            self._listener.close()
+        self._spawner.shutdown(wait=False)
 
 
 class ServerActor:
     """Ray actor body: owns one ServerProcess on the node it was placed on (use EngineManager to create it)."""
 
     def __init__(self, spec: ServerSpec, log_path: str, max_restarts: int, health_timeout_s: float,
-                 env: dict | None = None):
+                 env: dict | None = None, bind_wait_s: float = 0.0):
         if spec.host == "auto":
             import ray
 
             spec = dataclasses.replace(spec, host=ray.util.get_node_ip_address())
         self.server = ServerProcess(spec, log_path, max_restarts=max_restarts, health_timeout_s=health_timeout_s,
-                                    env=env)
+                                    env=env, bind_wait_s=bind_wait_s)
 
     def start(self) -> str:
         return self.server.start()
 
     def info(self) -> dict:
-        return self.server.info()
+        return {**self.server.info(), "actor_pid": os.getpid()}
 
     def kill_server(self) -> None:
         self.server.kill()
@@ -308,6 +399,9 @@ class EngineManager:
         self.env = env
         self.servers: list = []   # ServerProcess or Ray actor handles
         self.urls: list[str] = []
+        self._dead_restarts: list[int] = [0] * len(self.specs)  # restarts counted by actors that died
+        self._last: list[dict] = [{} for _ in self.specs]  # the latest info of each server
+        self._gone: list[dict | None] = [None] * len(self.specs)  # servers given up on, and why
 
     def log_path(self, i: int) -> str:
         return str(self.run_dir / "rollout" / f"server_{i}.log")
@@ -333,33 +427,90 @@ class EngineManager:
             raise
         return list(self.urls)
 
-    def _start_ray(self) -> None:
+    def _new_actor(self, i: int, spec: ServerSpec, bind_wait_s: float = 0.0, max_restarts: int | None = None):
         import ray
 
-        for i, spec in enumerate(self.specs):
-            opts = {"num_cpus": self.num_cpus,
-                    "num_gpus": self.num_gpus if self.num_gpus is not None else (
-                        spec.tp_size * spec.dp_size if spec.engine == "sglang" else 0),
-                    "max_concurrency": 4}
-            if self.node_ids is not None:
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        opts = {"num_cpus": self.num_cpus,
+                "num_gpus": self.num_gpus if self.num_gpus is not None else (
+                    spec.tp_size * spec.dp_size if spec.engine == "sglang" else 0),
+                "max_concurrency": 4}
+        if self.node_ids is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-                opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.node_ids[i], soft=False)
-            actor = ray.remote(**opts)(ServerActor).remote(spec, self.log_path(i), self.max_restarts,
-                                                           self.health_timeout_s, self.env)
-            self.servers.append(actor)
-        refs = [a.start.remote() for a in self.servers]
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.node_ids[i], soft=False)
+        budget = self.max_restarts if max_restarts is None else max_restarts
+        return ray.remote(**opts)(ServerActor).remote(spec, self.log_path(i), budget, self.health_timeout_s,
+                                                      self.env, bind_wait_s)
+
+    def _get(self, refs, what: str):
+        """ray.get with a deadline that names what it waited for; a task error becomes ServerStartError."""
+        import ray
+
+        timeout = self.health_timeout_s + 120  # the health wait inside, plus a Ray worker's start
         try:
-            self.urls = ray.get(refs)
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise ServerStartError(f"{what}: no answer within {timeout:.0f} s (is a Ray node with free "
+                                   f"'rollout' resources up? logs under {self.run_dir / 'rollout'})") from None
         except ray.exceptions.RayTaskError as e:
             raise ServerStartError(str(e.cause) if getattr(e, "cause", None) else str(e)) from e
 
-    def info(self) -> list[dict]:
-        if self.use_ray:
-            import ray
+    def _start_ray(self) -> None:
+        self.servers = [self._new_actor(i, spec) for i, spec in enumerate(self.specs)]
+        self.urls = self._get([a.start.remote() for a in self.servers], "starting the rollout servers")
 
-            return ray.get([a.info.remote() for a in self.servers])
-        return [s.info() for s in self.servers]
+    def _respawn(self, i: int, cause: BaseException) -> dict:
+        """Server i's Ray actor died (its server process went with it, PR_SET_PDEATHSIG): start a new actor
+        serving the same URL, counted against the server's restart budget. Returns its info, or a down
+        entry saying why (kept: a server given up on is not retried)."""
+        import ray
+
+        last = self._last[i]
+        self._dead_restarts[i] = (last["restarts"] if last else self._dead_restarts[i]) + 1
+        down = {"url": self.urls[i], "alive": False, "restarts": self._dead_restarts[i], "log": self.log_path(i),
+                "pid": None, "actor_pid": None}
+        try:
+            ray.kill(self.servers[i])
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        if self._dead_restarts[i] > self.max_restarts:
+            self._gone[i] = {**down, "last_error": f"its Ray actor died ({type(cause).__name__}) and the restart "
+                                                   f"budget rollout.max_restarts = {self.max_restarts} is spent"}
+            return self._gone[i]
+        print(f"[m2po] the Ray actor of rollout server {self.urls[i]} died ({type(cause).__name__}); starting a "
+              f"new one on the same port", flush=True)
+        host, port = self.urls[i].rsplit("//", 1)[1].rsplit(":", 1)
+        spec = dataclasses.replace(self.specs[i], host=host.strip("[]"), port=int(port))
+        self.servers[i] = self._new_actor(i, spec, bind_wait_s=30.0,
+                                          max_restarts=self.max_restarts - self._dead_restarts[i])
+        try:
+            self._get(self.servers[i].start.remote(), f"restarting rollout server {self.urls[i]} after its actor died")
+            info = self._get(self.servers[i].info.remote(), f"rollout server {self.urls[i]}")
+        except (ServerStartError, ray.exceptions.RayActorError) as e:
+            self._gone[i] = {**down, "last_error": f"its Ray actor died and a new one could not start it: {e}"}
+            return self._gone[i]
+        return {**info, "restarts": self._dead_restarts[i] + info["restarts"]}
+
+    def info(self) -> list[dict]:
+        """Each server's url, liveness, restarts (process and actor restarts together), log and pids. A
+        server whose Ray actor died is restarted here (within max_restarts), not reported as a crash."""
+        if not self.use_ray:
+            return [s.info() for s in self.servers]
+        import ray
+
+        out = []
+        for i, a in enumerate(self.servers):
+            if self._gone[i] is not None:
+                info = self._gone[i]
+            else:
+                try:
+                    info = self._get(a.info.remote(), f"rollout server {self.urls[i]}")
+                    info = {**info, "restarts": self._dead_restarts[i] + info["restarts"]}
+                except ray.exceptions.RayActorError as e:
+                    info = self._respawn(i, e)
+            self._last[i] = info
+            out.append(info)
+        return out
 
     def kill_server(self, i: int) -> None:
         """Fault injection for tests and drills: SIGKILL server i (it is restarted within budget)."""

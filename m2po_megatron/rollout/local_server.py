@@ -42,6 +42,7 @@ _HEALTH_PATHS = ("/health", "/health_generate")
 _NO_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
 _NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                 "queued. Retract or finish them, then call /flush_cache.")
+LISTEN_FD_ENV = "M2PO_LISTEN_FD"  # an inherited, bound socket to serve on (rollout/launcher.py)
 
 
 def _json_error(status: int, message: str):
@@ -550,6 +551,8 @@ def check_args(args) -> None:
     mp = pathlib.Path(args.model_path)
     if not (mp / "config.json").is_file():
         sys.exit(f"--model-path {args.model_path}: no config.json there (a local HF model directory is needed)")
+    if os.environ.get(LISTEN_FD_ENV):
+        return  # the launcher bound the socket and handed it over
     with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # like aiohttp: only a live listener conflicts
         try:
@@ -584,7 +587,13 @@ def main(argv=None) -> int:
         server = LocalServer(engine, args)
         runner = web.AppRunner(server.app(), access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, args.host, args.port).start()
+        fd = os.environ.pop(LISTEN_FD_ENV, None)
+        if fd:  # a socket the launcher bound for us: no window in which another process could take the port
+            sock = socket.socket(fileno=int(fd))
+            args.port = sock.getsockname()[1]
+            await web.SockSite(runner, sock).start()
+        else:
+            await web.TCPSite(runner, args.host, args.port).start()
         log.info("serving %s on http://%s:%d (auth %s)", args.model_path, args.host, args.port,
                  "on" if args.api_key else "off")
         print(f"The server is fired up and ready to roll! http://{args.host}:{args.port}", flush=True)

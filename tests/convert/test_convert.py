@@ -149,6 +149,31 @@ def test_megatron_side_validation(work):
         C.megatron_to_hf(str(mc), str(hf))
 
 
+@pytest.mark.timeout(600)
+def test_damaged_megatron_checkpoint_is_named(work, tmp_path, capsys):
+    """A garbage metadata.json or a truncated .distcp: exit 2 naming the file, nothing written."""
+    import shutil
+
+    hf = _hf_dir(work, "qwen2_untied")
+    mc = work / "mc_qwen2_untied"
+    if not mc.exists():
+        C.hf_to_megatron(str(hf), str(mc))
+    garbage = tmp_path / "garbage"
+    shutil.copytree(mc, garbage)
+    (garbage / "metadata.json").write_text("{not json")
+    truncated = tmp_path / "truncated"
+    shutil.copytree(mc, truncated)
+    distcp = max(truncated.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(distcp, "r+b") as f:
+        f.truncate(distcp.stat().st_size - 100)
+    for ckpt, needle in ((garbage, str(garbage / "metadata.json")), (truncated, f"{distcp} has ")):
+        out = tmp_path / f"out_{ckpt.name}"
+        assert cli(["convert", "megatron-to-hf", "--ckpt", str(ckpt), "--out", str(out), "--hf-config", str(hf)]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err
+        assert not out.exists()
+
+
 def test_interrupted_write_leaves_nothing(work, monkeypatch):
     hf = _hf_dir(work, "qwen2_untied")
     mc = work / "mc_qwen2_untied"

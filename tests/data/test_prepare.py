@@ -117,7 +117,7 @@ def test_cli_fails_clearly_on_wrong_fields(tmp_path, capsys):
     src = tmp_path / "t.jsonl"
     src.write_text("\n".join(json.dumps({"q": f"p{i}", "a": "1"}) for i in range(4)) + "\n")
     rc = cli(["prepare-data", "--input", str(src), "--out", str(tmp_path / "o"), "--eval-sets", ""])
-    assert rc == 1
+    assert rc == 2
     assert "--problem-key" in capsys.readouterr().err
     rc = cli(["prepare-data", "--input", str(src), "--out", str(tmp_path / "o"), "--eval-sets", "",
               "--problem-key", "q", "--answer-key", "a"])
@@ -149,3 +149,21 @@ def test_shared_deepscaler_and_eval_sets(shared_dir, tmp_path):
         assert all(r["answer"] and r["prompt"].startswith("Please solve the following math problem:") for r in rows)
     train = load_rows(tmp_path / "train.jsonl")
     assert all(set(r) >= {"id", "prompt", "answer", "source"} for r in train)
+
+
+def test_prepare_data_refuses_bad_inputs(tmp_path, capsys):
+    """0 usable rows, a missing --eval-dir, no eval set found, an unwritable --out: exit 2, said clearly."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert cli(["prepare-data", "--input", str(empty), "--out", str(tmp_path / "o1"), "--eval-sets", ""]) == 2
+    assert "no usable rows" in capsys.readouterr().err
+    assert cli(["prepare-data", "--out", str(tmp_path / "o2"), "--eval-dir", str(tmp_path / "nope")]) == 2
+    assert "--eval-dir" in capsys.readouterr().err
+    (tmp_path / "evals").mkdir()
+    assert cli(["prepare-data", "--out", str(tmp_path / "o3"), "--eval-dir", str(tmp_path / "evals")]) == 2
+    assert "none of the eval sets" in capsys.readouterr().err
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert cli(["prepare-data", "--out", str(a_file / "sub"), "--eval-sets", "math500"]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "cannot write" in err and "Traceback" not in err

@@ -194,3 +194,39 @@ def test_missing_hf_config_and_repo_relative_paths(tmp_path, monkeypatch):
     msg = err(tmp_path, ["model.hf_config=m2po_megatron/assets/configs/Qwen__Qwen3-8B-Base",
                          "parallel.tensor_model_parallel_size=3"])
     assert "num_attention_heads = 32" in msg
+
+
+def test_missing_files_name_the_fix(tmp_path, monkeypatch):
+    """A paper recipe without weights names M2PO_MODELS_DIR and --no-check-files; the tiny recipe on a fresh
+    checkout says that `m2po demo` builds the tiny task."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("M2PO_MODELS_DIR", raising=False)
+    msg = err(tmp_path, recipe="paper/qwen3-1.7b-base")
+    assert "set M2PO_MODELS_DIR" in msg and "--no-check-files" in msg and "M2PO_DATA_DIR" in msg
+    assert "deepscaler/eval/math500.jsonl" in msg  # where `prepare-data --out DIR/deepscaler` writes them
+    assert "`m2po demo`" in err(tmp_path, recipe="tiny-cpu")  # no .cache/tiny-task here: a fresh checkout
+
+
+def test_layout_errors_and_group_size_one_exit_2_not_a_traceback():
+    for args in (["recipes/paper/qwen2.5-math-7b.yaml", "parallel.tensor_model_parallel_size=8"],
+                 ["tiny-cpu", "rollout.n_samples_per_prompt=1"]):
+        p = subprocess.run([sys.executable, "-m", "m2po_megatron.cli", "config", *args, "--no-check-files"],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "num_attention_heads = 28" in err(None, ["model.hf_config=m2po_megatron/assets/configs/Qwen__Qwen2.5-Math-7B",
+                                                    "parallel.tensor_model_parallel_size=8",
+                                                    "cluster.gpu_memory_gb=80"])
+    assert "GRPO advantages" in err(None, ["rollout.n_samples_per_prompt=1"])
+
+
+def test_config_prints_the_memory_estimate_and_takes_overrides_after_options():
+    p = subprocess.run([sys.executable, "-m", "m2po_megatron.cli", "config", "paper/qwen3-8b-base",
+                        "--no-check-files", "train.steps=3"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "steps: 3" in p.stdout  # an override after an option still applies
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("# memory estimate per trainer GPU: weights") and last.endswith(" GiB"), last
+    assert yaml.safe_load(p.stdout)["train"]["steps"] == 3  # still a valid recipe
+    p = subprocess.run([sys.executable, "-m", "m2po_megatron.cli", "config", "tiny-cpu", "--bogus", "train.steps=3"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "unrecognized arguments: --bogus" in p.stderr

@@ -67,3 +67,10 @@ def test_progress_throttles_in_ci():
     for _ in range(100):
         p.update()
     assert len(buf.getvalue().splitlines()) == 2  # the first update and the final one
+
+
+def test_progress_of_a_resumed_run_counts_from_its_step():
+    buf = io.StringIO()
+    with Progress(16, "train", stream=buf, min_interval_s=0.0, initial=4) as p:
+        p.update()
+    assert buf.getvalue().splitlines()[-1].startswith("train 5/16 (31%)")

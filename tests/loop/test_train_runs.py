@@ -71,6 +71,8 @@ def test_bounded_dp2_with_eval_and_checkpoint(tiny_task, tmp_path, small_eval):
         assert key in rows[-1], key
     evals = [r for r in read_metrics(run / "metrics.jsonl") if "eval/avg/pass@1" in r]
     assert [r["step"] for r in evals] == [0, 3]
+    for r in evals:  # printed as well as logged
+        assert f"[m2po] eval at step {r['step']}: pass@1 {r['eval/avg/pass@1']:.1f}% (tiny_eval " in p.stdout, p.stdout
     assert (run / "eval" / "step_000003.csv").exists()
     placement = json.loads((run / "placement.json").read_text())
     assert sorted(n["rank"] for n in placement["trainer"]) == [0, 1]
@@ -95,27 +97,8 @@ def test_on_policy_pp2(tiny_task, tmp_path):
     assert_accounting(rows)
 
 
-DETERMINISTIC = ("reward/mean", "response_length/mean", "loss", "grad_norm", "m2po/m2_before", "staleness/mean",
-                 "staleness/max", "samples/generated", "samples/consumed", "samples/pending", "kl/k3")
-
-
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-def test_fixed_lag_staleness_and_resume_equality(tiny_task, tmp_path):
-    lag = ["staleness.mode=fixed_lag", "staleness.lag_steps=1", "staleness.behav_logprob_source=trainer"]
-    ok(m2po("train", "tiny-cpu", *overrides(tiny_task, tmp_path, "full", *lag, "train.steps=3")))
-    full = steps(tmp_path / "full")
-    # The released code's simulation: step j trains the batch generated k=1 steps earlier; the first
-    # step trains base-model data (staleness 0), later ones have staleness k x updates_per_step = 2.
-    assert [r["staleness/max"] for r in full] == [0, 2, 2]
-    assert_accounting(full)
-
-    ok(m2po("train", "tiny-cpu", *overrides(tiny_task, tmp_path, "cut", *lag, "train.steps=2")))
-    ok(m2po("train", "tiny-cpu", *overrides(tiny_task, tmp_path, "cut", *lag, "train.steps=3"), "--resume", "auto"))
-    resumed = steps(tmp_path / "cut")
-    assert [r["step"] for r in resumed] == [1, 2, 3]
-    for a, b in zip(full, resumed):
-        for key in DETERMINISTIC:
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
+# The fixed-lag interrupted-and-resumed run equal to an uninterrupted one (and its staleness pattern) is in
+# tests/faults/test_signals.py, where the interruption is a real SIGTERM.
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 60)

@@ -102,7 +102,7 @@ def test_judge_off_main_thread_does_not_raise():
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("v", judge(r"\boxed{\frac{1}{2}}", "0.5")))
     t.start()
-    t.join(30)
+    t.join(120)  # the first call off the main thread starts a worker process
     assert out["v"].score == 1.0 and out["v"].status == "correct"
 
 
@@ -140,3 +140,18 @@ def test_pool_rejects_bad_arguments():
         RewardPool(num_workers=0)
     with pytest.raises(ValueError, match="timeout_s"):
         RewardPool(num_workers=1, timeout_s=0)
+
+
+@pytest.mark.timeout(300)
+def test_adversarial_answers_score_zero_in_bounded_time():
+    """math-verify's TimeoutException is a BaseException; on the main thread its own limit fires and the
+    answer scores 0 (status error); off the main thread judge() scores in a worker process it kills."""
+    bomb = r"\boxed{9^{9^{9^{9}}}}"
+    v = judge(bomb, "3", timeout_s=2)
+    assert (v.score, v.status) == (0.0, "error")
+    assert math_verify_reward(bomb, "3") == 0.0
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("v", judge(bomb, "3", timeout_s=2)))
+    t.start()
+    t.join(240)  # the worker's start-up plus the limit; a hang fails here
+    assert not t.is_alive() and (out["v"].score, out["v"].status) == (0.0, "error")

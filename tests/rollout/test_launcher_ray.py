@@ -51,9 +51,10 @@ def test_ray_actor_serves_and_restarts_within_budget(ray_local, tiny_model_dir, 
         assert log.exists() and "fired up" in log.read_text()
 
         mgr.kill_server(0)
-        # a request sent right after the crash fails, waits for the restarted server and is re-issued there
+        # a request sent right after the crash is served by the restarted server: the launcher keeps the
+        # port bound, so the connection waits for it (or, cut by the crash, is re-issued), never fails
         out, stats = asyncio.run(_one(url, with_stats=True))
-        assert len(out.output_ids) == 4 and stats.reissued >= 1 and stats.failed == 0
+        assert len(out.output_ids) == 4 and stats.failed == 0
         info = mgr.info()[0]
         assert info["restarts"] == 1 and info["alive"] and info["last_error"] is None
 

@@ -143,20 +143,30 @@ slurm:
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 300)
-def test_tiny_cpu_recipe_trains_end_to_end_across_two_nodes(slurm, jobdir, tiny_task):
-    """The real `m2po train recipes/tiny-cpu.yaml train.steps=2` through the job script: trainer on n1,
-    rollout server on n2 (from the `[placement] role=... node=...` lines the training loop logs)."""
+def test_tiny_cpu_recipe_trains_across_two_nodes_and_sigterm_checkpoints_under_srun(slurm, jobdir, tiny_task):
+    """The real `m2po train recipes/tiny-cpu.yaml` through the job script: trainer on n1, rollout server on
+    n2 (from the `[placement] role=... node=...` lines the training loop logs). After its first step the
+    batch script gets SIGTERM (`scancel -b -s TERM`, as an operator stopping a job would), forwards it to
+    the driver's srun step, and the driver checkpoints after the step and exits 0: the job ends with rc=0."""
     run_dir = jobdir / "tiny-e2e"
     job = slurm.sbatch("-N2", f"--output={jobdir}/slurm-%j.out", str(REPO / "slurm/m2po.sbatch"),
-                       "recipes/tiny-cpu.yaml", "train.steps=2", "cluster.trainer_nodes=1",
+                       "recipes/tiny-cpu.yaml", "train.steps=20", "cluster.trainer_nodes=1", "checkpoint.interval=0",
                        f"model.hf_path={tiny_task}", f"data.train_path={tiny_task / 'train.jsonl'}",
                        "data.eval_paths=[]", "train.prompts_per_step=8", "rollout.n_samples_per_prompt=4",
                        "cluster.rollout_nodes=1", "rollout.host=null", f"run.output_dir={jobdir}", "run.name=tiny-e2e",
                        env={"M2PO_DRIVER_CMD": ""})
-    slurm.wait_gone(job, JOB_TIMEOUT + 240)
+    slurm.wait_for(lambda: '"step": 1' in _read(run_dir / "metrics.jsonl"), JOB_TIMEOUT, "the first step", job)
+    slurm.run("scancel", "-b", "-s", "TERM", job)
+    slurm.wait_gone(job, JOB_TIMEOUT)
     logs = "".join(_read(p) for p in sorted((run_dir / "logs").glob("*.log")))
     assert _read(run_dir / "logs" / "job-state").strip().endswith("rc=0"), logs[-3000:]
     assert re.search(r"role=trainer\b.*node=n1\b", logs), logs[-3000:]
     assert re.search(r"role=rollout\b.*node=n2\b", logs), logs[-3000:]
-    assert (run_dir / "metrics.jsonl").exists()
+    driver = _read(run_dir / "logs" / "driver.log")
+    assert "received SIGTERM; will checkpoint and stop after the current step" in driver, logs[-3000:]
+    stopped = re.search(r"stopped by SIGTERM at step (\d+)/20", driver)
+    assert stopped, driver[-3000:]
+    step = int(stopped.group(1))
+    assert 1 <= step < 20 and (run_dir / "checkpoints" / f"step_{step:07d}" / "COMPLETE").exists()
+    assert _states(run_dir) == ["START", "EXIT"]  # TERM (unlike USR1) is not requeued
     slurm.wait_for(slurm.nodes_idle, 60, "nodes released")

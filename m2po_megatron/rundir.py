@@ -1,0 +1,128 @@
+"""The run directory's safety rules: one process per directory, a new run never clobbers an old one, and a
+resumed run's metrics end where its checkpoint does.
+
+- `RunDirLock`: an advisory lock (`RUN_DIR/.lock`, flock) held by the driver for its lifetime; the kernel
+  drops it when the process dies, even by SIGKILL, so a stale lock never blocks a restart.
+- `refuse_if_used`: a fresh start in a directory that holds another run (its config, metrics or checkpoints)
+  stops before anything is written, naming `--resume auto` and `--overwrite`.
+- `move_aside`: `--overwrite` renames the old run to RUN_DIR.replaced-TIME (kept, never deleted).
+- `truncate_metrics`: on resume, rows after the checkpoint's step go (they are recomputed), so every step
+  appears once in metrics.jsonl.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+from m2po_megatron.config import ConfigError
+
+LOCK = ".lock"
+RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints")
+
+
+class RunDirLock:
+    """Exclusive, non-blocking; ConfigError naming the holder when another process has it."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> "RunDirLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(f"run directory {self.path.parent} is in use by another m2po process (pid {holder}); "
+                              f"wait for it to finish, stop it, or choose another run.name") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+
+def describe_run(run_dir: Path) -> Optional[str]:
+    """What of a run the directory holds ("metrics.jsonl with 16 rows (last step 16), checkpoints step 8,
+    16"), or None when it holds none."""
+    run_dir = Path(run_dir)
+    found = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        steps = _steps(metrics)
+        found.append(f"metrics.jsonl with {len(steps)} rows" + (f" (last step {steps[-1]})" if steps else ""))
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").is_dir() else []
+    if ckpts:
+        found.append("checkpoints " + ", ".join(ckpts[-3:]))
+    if (run_dir / "config.yaml").is_file():
+        found.append("config.yaml")
+    return ", ".join(found) or None
+
+
+def refuse_if_used(run_dir: Path) -> None:
+    """A fresh start in a directory holding another run: ConfigError (exit 2) before anything is written."""
+    held = describe_run(run_dir)
+    if held:
+        raise ConfigError(f"run directory {run_dir} holds another run ({held}); continue it with `--resume auto`, "
+                          f"start over with `--overwrite` (the old run is moved to {run_dir.name}.replaced-TIME), "
+                          f"or choose another run.name")
+
+
+def move_aside(run_dir: Path) -> Optional[Path]:
+    """`--overwrite`: rename the old run's directory aside (kept, never deleted). Returns where it went."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists() or not describe_run(run_dir):
+        return None
+    dst = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+    n = 1
+    while dst.exists():
+        dst = dst.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
+        n += 1
+    os.rename(run_dir, dst)
+    return dst
+
+
+def _steps(path: Path) -> list[int]:
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            out.append(int(json.loads(line)["step"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Keep the rows of steps <= last_step (all rows go when last_step is 0: step 0 is re-evaluated);
+    unreadable lines (a row cut by a kill) go too. Atomic. Returns the number of rows removed."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, removed = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            removed += 1
+            continue
+        if last_step > 0 and step <= last_step:
+            kept.append(line)
+        else:
+            removed += 1
+    if removed:
+        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return removed
