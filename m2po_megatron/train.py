@@ -38,7 +38,7 @@ def train(cfg: DictConfig) -> Path:
     engines = trainers = generator = rewards = client = None
     try:
         tokenizer = load_tokenizer(cfg)
-        prompts, eval_rows = load_data(cfg)
+        prompts, eval_rows = load_data(cfg, tokenizer)
         engines, urls = start_rollout_engines(cfg, rdir)
         client = make_client(cfg, urls)
         trainers = start_trainers(cfg, world, rdir)
@@ -147,19 +147,28 @@ def load_tokenizer(cfg: DictConfig):
     return AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.hf_path)
 
 
-def load_data(cfg: DictConfig):
+def load_data(cfg: DictConfig, tokenizer):
+    """Training prompts and eval sets, each prompt the exact text the model sees (data.prompt_template and
+    the chat template applied the same way to both; see data.prepare.final_prompts)."""
+    from m2po_megatron.data.prepare import final_prompts
     from m2po_megatron.generation import PromptStream, load_prompt_rows
 
     if not cfg.data.train_path:
         raise ValueError("data.train_path is not set; prepare data with `m2po prepare-data`")
     from m2po_megatron.eval.benchmarks import EvalSet
 
-    prompts = PromptStream(load_prompt_rows(cfg.data.train_path), cfg.data.shuffle_seed)
+    d = cfg.data
+
+    def rows(path: str) -> list[dict]:
+        return final_prompts(load_prompt_rows(path), template=d.prompt_template, tokenizer=tokenizer,
+                             apply_chat_template=d.apply_chat_template, source=path)
+
+    prompts = PromptStream(rows(d.train_path), d.shuffle_seed)
     e = cfg.eval
     eval_sets = []
-    for path in cfg.data.eval_paths:
+    for path in d.eval_paths:
         name = Path(path).name.split(".")[0]
-        eval_sets.append(EvalSet(name, load_prompt_rows(path), e.n_samples_overrides.get(name, e.n_samples)))
+        eval_sets.append(EvalSet(name, rows(path), e.n_samples_overrides.get(name, e.n_samples)))
     return prompts, eval_sets
 
 
@@ -221,7 +230,7 @@ def actor_kwargs(cfg: DictConfig) -> dict:
     dtype = cfg.model.params_dtype
     if dtype == "auto":
         dtype = "bf16" if device.has_cuda() else "fp32"
-    loss_kwargs = {"loss_agg_mode": a.loss_agg_mode}
+    loss_kwargs = {"loss_agg_mode": a.gspo.loss_agg_mode if a.name == "gspo" else a.loss_agg_mode}
     if a.dual_clip_c is not None:
         loss_kwargs["dual_clip"] = a.dual_clip_c
     if a.name == "grpo":
@@ -332,8 +341,7 @@ def make_generator(cfg, client, rewards, tokenizer, prompts, ledger, trainers):
     r, s, t = cfg.rollout, cfg.staleness, cfg.train
     sampling = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
                 "max_new_tokens": r.max_new_tokens}
-    maker = GroupMaker(client, rewards, tokenizer, Tokenize(tokenizer, cfg.data.apply_chat_template,
-                                                            cfg.data.max_prompt_len),
+    maker = GroupMaker(client, rewards, tokenizer, Tokenize(tokenizer, cfg.data.max_prompt_len),
                        sampling, n=r.n_samples_per_prompt, seed=cfg.run.seed)
     if s.mode == "bounded":
         ctl = StalenessController(s.max_staleness, groups_per_step=t.prompts_per_step,
