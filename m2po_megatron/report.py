@@ -391,6 +391,13 @@ def plot(groups: list[Group], out_dir: Path, smooth: int = 5) -> list[Path]:
     return paths
 
 
+def _run_note(r: RunRecord) -> str:
+    """The run's directory, flagged when its metrics stop before train.steps (still running, or stopped)."""
+    last = max((s for pts in r.series.values() for s in pts), default=0)
+    steps = r.flat.get("train.steps")
+    return f"{r.path}" + (f" (unfinished: step {last}/{steps})" if steps and last < int(steps) else "")
+
+
 def make_report(dirs: Sequence[str | Path], out_dir: str | Path, plots: bool = True) -> dict[str, Path]:
     """Write report.md, report.csv (and curves.png, diagnostics.png) to out_dir; returns their paths."""
     records = [load_run(p) for p in find_runs(dirs)]
@@ -399,7 +406,7 @@ def make_report(dirs: Sequence[str | Path], out_dir: str | Path, plots: bool = T
     out.mkdir(parents=True, exist_ok=True)
     md = out / "report.md"
     md.write_text(f"# Report of {len(records)} runs\n\n" + markdown(groups)
-                  + "\nRuns:\n" + "".join(f"- {g.label}: {', '.join(str(r.path) for r in g.runs)}\n" for g in groups))
+                  + "\nRuns:\n" + "".join(f"- {g.label}: {', '.join(_run_note(r) for r in g.runs)}\n" for g in groups))
     paths = {"markdown": md, "csv": write_csv(groups, out / "report.csv")}
     if plots:
         curves, diagnostics = plot(groups, out)

@@ -146,3 +146,28 @@ def test_bad_input_names_the_file(tmp_path):
     p = subprocess.run([sys.executable, "-m", "m2po_megatron.cli", "report", str(tmp_path / "nope")],
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode == 2 and "not a directory" in p.stderr
+
+
+def test_a_paper_sweep_gets_a_model_column_and_the_papers_benchmark_order(tmp_path):
+    benches = ["olympiadbench", "math500", "aime25", "minerva_math", "aime24", "amc24", "gaokao2023en", "amc23"]
+    for model in ("Qwen3-1.7B-Base", "Qwen2.5-Math-7B"):
+        for algo, lag in (("grpo", 0), ("m2po", 64)):
+            make_run(tmp_path, f"table1-{model}-{algo}", algo, lag, 42, {50: {b: 10.0 for b in benches}},
+                     extra={"model.hf_path": f"models/{model}"}, steps=50)
+    md = make_report([tmp_path], tmp_path / "r", plots=False)["markdown"].read_text()
+    lines = [ln for ln in md.splitlines() if ln.startswith("| ")]
+    assert lines[0].startswith("| model | method | s | aime24 | aime25 | amc23 | amc24 | math500 | gaokao2023en | "
+                               "minerva_math | olympiadbench | Avg | step |")
+    assert [ln.split(" | ")[:3] for ln in lines[1:5]] == [
+        ["| Qwen2.5-Math-7B", "GRPO", "0"], ["| Qwen2.5-Math-7B", "M2PO", "256"],
+        ["| Qwen3-1.7B-Base", "GRPO", "0"], ["| Qwen3-1.7B-Base", "M2PO", "256"]]
+
+
+def test_unfinished_runs_are_flagged(tmp_path):
+    make_run(tmp_path, "done", "grpo", 0, 1, {20: {"a": 1}}, steps=20)
+    d = make_run(tmp_path, "running", "grpo", 0, 2, {10: {"a": 1}}, steps=12)
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    cfg["train"]["steps"] = 20  # its metrics stop at step 12 of 20
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    md = make_report([tmp_path], tmp_path / "r", plots=False)["markdown"].read_text()
+    assert f"{d} (unfinished: step 12/20)" in md and f"{tmp_path / 'done'} (unfinished" not in md
