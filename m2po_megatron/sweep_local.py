@@ -144,16 +144,18 @@ def _write_manifest(sweep: dict, sweep_path: str | Path, out_dir: Path, lruns: l
 
 
 def _progress_line(done: int, total: int, running: list[LocalRun], durations: list[float], t_start: float,
-                   left: int) -> str:
+                   waiting: int, parallel: int) -> str:
     parts = []
     for lr in running:
         m = last_metrics(lr.run_dir) or {}
         parts.append(f"{lr.run.name} step {m.get('step', 0)}/{lr.steps}")
-    elapsed = time.monotonic() - t_start
+    now = time.monotonic()
     eta = ""
-    if durations and left:
+    if durations:  # the mean duration of a finished run, for the waiting ones and the rest of the running ones
         per_run = sum(durations) / len(durations)
-        eta = f", eta ~{_hms(per_run * left / max(1, len(running) or 1))}"
+        work = per_run * waiting + sum(max(0.0, per_run - (now - lr.t0)) for lr in running)
+        eta = f", eta ~{_hms(work / parallel)}"
+    elapsed = now - t_start
     return (f"[sweep] {done}/{total} finished, {len(running)} running ({'; '.join(parts) or '-'}), elapsed "
             f"{_hms(elapsed)}{eta}")
 
@@ -249,8 +251,11 @@ def _schedule(lruns: list[LocalRun], parallel: int, out, poll_s: float, report_e
                 break
             if time.monotonic() - last_report >= report_every_s and running:
                 last_report = time.monotonic()
-                print(_progress_line(done, total, running, durations, t_start, len(todo) + len(running)),
+                print(_progress_line(done, total, running, durations, t_start, len(todo), parallel),
                       file=out, flush=True)
+    except BaseException:  # the runner itself failed: stop its runs too (they checkpoint; a restart resumes)
+        on_signal(signal.SIGTERM, None)
+        raise
     finally:
         for s, h in old.items():
             signal.signal(s, h)
