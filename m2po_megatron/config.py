@@ -86,12 +86,15 @@ class ClipSection:
 class GSPOSection:
     eps_clip_low: float = 3e-4
     eps_clip_high: float = 4e-4
+    loss_agg_mode: str = "seq-mean-token-mean"  # GSPO's own (paper, verl): each sequence weighs the same
 
 
 @dataclass
 class AlgoSection:
     name: str = "m2po"  # m2po | grpo | grpo_notr | gspo
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    # token-mean | seq-mean-token-mean | seq-mean-token-sum, for m2po, grpo and grpo_notr; gspo reads
+    # algo.gspo.loss_agg_mode, so one recipe can sweep every method with each one's own aggregation
+    loss_agg_mode: str = "token-mean"
     norm_adv_by_std: bool = True
     adv_eps: float = 1e-6
     dual_clip_c: Optional[float] = None  # e.g. 3.0; bounds A<0 tokens with huge ratios, any loss
@@ -143,8 +146,10 @@ class RolloutSection:
 class DataSection:
     train_path: Optional[str] = None  # prepared JSONL/parquet (m2po prepare-data)
     eval_paths: list[str] = field(default_factory=list)
-    prompt_template: Optional[str] = None  # null = the prepared prompt is used as is
-    apply_chat_template: bool = True
+    # null = the prepared prompt as is; else a preset (m2po, plain) or a format string rendered from each
+    # row's `problem`, for training and evaluation alike
+    prompt_template: Optional[str] = None
+    apply_chat_template: bool = True  # wrap the prompt in the tokenizer's chat template (once)
     max_prompt_len: int = 1534  # + max_new_tokens + 2 must fit the context (SGLang never fills its last 2)
     shuffle_seed: int = 42
 
@@ -243,6 +248,7 @@ CHOICES = {
     "parallel.recompute_method": ("uniform", "block"),
     "algo.name": ("m2po", "grpo", "grpo_notr", "gspo"),
     "algo.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+    "algo.gspo.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "algo.m2po.rule": ("remove", "cap"),
     "algo.m2po.scope": ("global", "microbatch"),
     "staleness.mode": ("on_policy", "fixed_lag", "bounded"),
@@ -521,6 +527,13 @@ def validate(cfg: DictConfig, check_files: bool = True) -> None:
         errors.append(f"algo.dual_clip_c = {cfg.algo.dual_clip_c} must be > 1 (e.g. 3.0), or null to disable")
     if cfg.rollout.mem_fraction_static is not None and not 0 < cfg.rollout.mem_fraction_static < 1:
         errors.append(f"rollout.mem_fraction_static = {cfg.rollout.mem_fraction_static} must be in (0, 1)")
+    if cfg.data.prompt_template is not None:
+        from m2po_megatron.data.prepare import resolve_template
+
+        try:
+            resolve_template(cfg.data.prompt_template)
+        except ValueError as e:
+            errors.append(f"data.prompt_template: {e}")
     if cfg.run.resume not in ("none", "auto") and check_files and not Path(cfg.run.resume).exists():
         errors.append(f"run.resume = {cfg.run.resume!r}: no such checkpoint; use 'auto', 'none' or a path")
     if cfg.rollout.n_samples_per_prompt == 1:

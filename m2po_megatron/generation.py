@@ -99,18 +99,13 @@ def load_prompt_rows(path: str) -> list[dict]:
 
 
 class Tokenize:
-    """Prompt text -> token ids, with the tokenizer's chat template when asked and available."""
+    """Final prompt text (train.load_data applied the prompt and chat templates) -> token ids."""
 
-    def __init__(self, tokenizer, apply_chat_template: bool, max_prompt_len: int):
-        self.tok, self.chat, self.max_len = tokenizer, apply_chat_template, max_prompt_len
+    def __init__(self, tokenizer, max_prompt_len: int):
+        self.tok, self.max_len = tokenizer, max_prompt_len
 
     def __call__(self, prompt: str) -> list[int]:
-        if self.chat and getattr(self.tok, "chat_template", None):
-            ids = self.tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
-                                               add_generation_prompt=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        else:
-            ids = self.tok(prompt, add_special_tokens=False)["input_ids"]  # the prepared prompt is final text
+        ids = self.tok(prompt, add_special_tokens=False)["input_ids"]  # its special tokens are in the text
         if len(ids) > self.max_len:
             raise ValueError(f"a prompt has {len(ids)} tokens > data.max_prompt_len = {self.max_len}; "
                              f"filter the data or raise data.max_prompt_len: {prompt[:80]!r}")

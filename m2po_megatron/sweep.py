@@ -1,4 +1,5 @@
-"""Sweeps: expand a grid of recipe variants into named runs, submit them to Slurm, report their state.
+"""Sweeps: expand a grid of recipe variants into named runs, submit them to Slurm (or run them here:
+sweep_local.py), report their state.
 
 A sweep file (YAML; recipes/sweeps/table1.yaml is the full example):
 
@@ -176,6 +177,12 @@ def expand(sweep: dict) -> list[Run]:
     return runs
 
 
+def sweep_output_dir(sweep: dict, sweep_path: str | Path) -> Path:
+    """The sweep's output_dir (default runs/<name>), absolute from the working directory as expand() does."""
+    out = Path(str(sweep.get("output_dir") or f"runs/{sweep.get('name') or Path(sweep_path).stem}"))
+    return out if out.is_absolute() else Path.cwd() / out
+
+
 def layout(recipe: str, overrides: list[str]) -> tuple[int, int, str]:
     """(trainer nodes, rollout nodes, run directory) of a recipe + overrides, validated."""
     from m2po_megatron.config import load_config, run_dir
@@ -251,8 +258,7 @@ def submit(sweep_path: str | Path, dry_run: bool = False, out=sys.stdout) -> dic
     runs = expand(sweep)
     validate_runs(runs)
     slurm = sweep.get("slurm") or {}
-    out_dir = Path(str(sweep.get("output_dir") or f"runs/{sweep.get('name') or Path(sweep_path).stem}"))
-    out_dir = out_dir if out_dir.is_absolute() else (Path.cwd() / out_dir)
+    out_dir = sweep_output_dir(sweep, sweep_path)
     subs = plan(sweep, runs, out_dir)
     chain = int(slurm.get("chain") or 1)
     cap = slurm.get("max_concurrent")
@@ -336,10 +342,9 @@ def find_manifest(target: str | Path) -> Path:
     if p.is_dir():
         p = p / MANIFEST
     elif p.suffix in (".yaml", ".yml"):
-        sweep = load_sweep(p)
-        p = Path(str(sweep.get("output_dir") or f"runs/{sweep.get('name') or p.stem}")) / MANIFEST
+        p = sweep_output_dir(load_sweep(p), p) / MANIFEST
     if not p.is_file():
-        raise SweepError(f"no sweep manifest at {p}; submit the sweep first (m2po sweep SWEEP.yaml)")
+        raise SweepError(f"no sweep manifest at {p}; start the sweep first (m2po sweep SWEEP.yaml [--local])")
     return p
 
 
@@ -402,9 +407,15 @@ def last_metrics(run_dir: Path) -> Optional[dict]:
 
 
 def status(target: str | Path) -> list[dict]:
-    """One row per run: name, job id, Slurm state and the latest metrics."""
+    """One row per run: name, job id, state (Slurm's, or the local runner's record) and the latest metrics."""
     manifest = json.loads(find_manifest(target).read_text())
     runs = manifest["runs"]
+    if manifest.get("mode") == "local":
+        from m2po_megatron.sweep_local import local_state
+
+        return [{"run": r["name"], "job": "local", "state": local_state(Path(r["run_dir"]), int(r["steps"])),
+                 "run_dir": r["run_dir"], "steps": r["steps"], "metrics": last_metrics(Path(r["run_dir"]))}
+                for r in runs]
     latest = {r["name"]: (r["jobs"][-1] if r["jobs"] else None) for r in runs}
     states = _slurm_states([j for j in latest.values() if j])
     rows = []
@@ -429,7 +440,8 @@ def format_status(rows: list[dict], keys: Optional[list[str]] = None) -> str:
         shown = keys or [k for k in m if isinstance(m[k], (int, float)) and not isinstance(m[k], bool)][:6]
         ms = " ".join(f"{k}={m[k]:.4g}" if isinstance(m.get(k), float) else f"{k}={m.get(k)}"
                       for k in shown if k in m)
-        out.append(f"{row['run']:<40} {str(row['job']):<12} {row['state']:<16} {ms or '-'}")
+        progress = f"step {m.get('step', 0)}/{row['steps']}" if row.get("steps") else ""
+        out.append(f"{row['run']:<40} {str(row['job']):<12} {row['state']:<16} {progress:<14} {ms or '-'}")
     return "\n".join(out)
 
 

@@ -253,35 +253,39 @@ def load_tokenizer(cfg: DictConfig):
                           f"directory with tokenizer files (or set model.tokenizer)") from None
 
 
-def load_data(cfg: DictConfig, tokenizer=None):
-    """The training prompts and eval sets, read and checked (rows, prompt lengths) before Ray starts: a bad
-    file is a ConfigError naming the field, the file and the line."""
+def load_data(cfg: DictConfig, tokenizer):
+    """The training prompts and eval sets, read and checked (rows, prompt lengths) before Ray starts, each
+    prompt the exact text the model sees (data.prompt_template and the chat template applied the same way
+    to both; see data.prepare.final_prompts). A bad file is a ConfigError naming the field, file and row."""
     from m2po_megatron.config import ConfigError
+    from m2po_megatron.data.prepare import final_prompts
     from m2po_megatron.eval.benchmarks import EvalSet
     from m2po_megatron.generation import PromptStream, Tokenize, load_prompt_rows
 
-    if not cfg.data.train_path:
+    d = cfg.data
+    if not d.train_path:
         raise ConfigError("data.train_path is not set; prepare data with `m2po prepare-data`")
-    tokenize = Tokenize(tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_len) if tokenizer else None
-    files = [("data.train_path", cfg.data.train_path)]
-    files += [(f"data.eval_paths[{i}]", p) for i, p in enumerate(cfg.data.eval_paths)]
+    tokenize = Tokenize(tokenizer, d.max_prompt_len)
+    files = [("data.train_path", d.train_path)]
+    files += [(f"data.eval_paths[{i}]", p) for i, p in enumerate(d.eval_paths)]
     loaded = []
     for key, path in files:
         try:
-            rows = load_prompt_rows(path)
+            rows = final_prompts(load_prompt_rows(path), template=d.prompt_template, tokenizer=tokenizer,
+                                 apply_chat_template=d.apply_chat_template, source=path)
         except ValueError as e:
             raise ConfigError(f"{key}: {e}") from None
-        for row in rows if tokenize is not None else []:
+        for row in rows:
             try:
                 tokenize(row["prompt"])
             except Exception as e:  # noqa: BLE001 - a tokenizer may fail in many ways on odd text
                 raise ConfigError(f"{key}: {path}: row {row['id']}: {e}") from None
         loaded.append(rows)
     try:
-        prompts = PromptStream(loaded[0], cfg.data.shuffle_seed)
+        prompts = PromptStream(loaded[0], d.shuffle_seed)
         e = cfg.eval
         eval_sets = []
-        for path, rows in zip(cfg.data.eval_paths, loaded[1:]):
+        for path, rows in zip(d.eval_paths, loaded[1:]):
             name = Path(path).name.split(".")[0]
             eval_sets.append(EvalSet(name, rows, e.n_samples_overrides.get(name, e.n_samples)))
     except ValueError as e:
@@ -354,7 +358,7 @@ def actor_kwargs(cfg: DictConfig) -> dict:
     dtype = cfg.model.params_dtype
     if dtype == "auto":
         dtype = "bf16" if device.has_cuda() else "fp32"
-    loss_kwargs = {"loss_agg_mode": a.loss_agg_mode}
+    loss_kwargs = {"loss_agg_mode": a.gspo.loss_agg_mode if a.name == "gspo" else a.loss_agg_mode}
     if a.dual_clip_c is not None:
         loss_kwargs["dual_clip"] = a.dual_clip_c
     if a.name == "grpo":
@@ -486,8 +490,7 @@ def make_generator(cfg, client, rewards, tokenizer, prompts, ledger, trainers):
     from m2po_megatron.staleness import FixedLagQueue, StalenessController
 
     r, s, t = cfg.rollout, cfg.staleness, cfg.train
-    maker = GroupMaker(client, rewards, tokenizer, Tokenize(tokenizer, cfg.data.apply_chat_template,
-                                                            cfg.data.max_prompt_len),
+    maker = GroupMaker(client, rewards, tokenizer, Tokenize(tokenizer, cfg.data.max_prompt_len),
                        rollout_sampling(cfg), n=r.n_samples_per_prompt, seed=cfg.run.seed)
     if s.mode == "bounded":
         ctl = StalenessController(s.max_staleness, groups_per_step=t.prompts_per_step,

@@ -11,11 +11,13 @@ remove (Algorithm 1): while M2 over the remaining T exceeds tau, drop the remain
   dropped first, in one process or many.
 
 cap (released code, verl fork): if M2 <= tau (+1e-12) nothing is bounded. Otherwise find the first sorted
-  index k with sum_i min(v_i, v_(k)) >= tau*|T| (- 1e-12), take the bound c^2 = v_(k-1) - 1e-12 (c = 0 when
-  k = 0 or tau*|T| <= 1e-12) and apply a PPO clip with ratio bounds [e^-c, e^c]. Its zero-gradient set is
-  the T tokens with v > c^2, which always contains the remove set (c^2 < v_(m*+1)); on tokens both keep the
-  gradients agree (r*A). The released code works in float32 ratio space; here the same set is computed in
-  float64 log space, so rounding can differ only for tokens within ~1e-7 relative of the bound.
+  index k with sum_i min(v_i, v_(k) - 1e-12) >= tau*|T| - 1e-12 and take the bound c^2 = v_(k-1) - 1e-12
+  (c = 0 when k = 0), applied as a PPO clip with ratio bounds [e^-c, e^c]. Its zero-gradient set is the T
+  tokens with v >= v_(k-1) (v > c^2; the strict form keeps the rule defined where v_(k-1) < 1e-12), which
+  always contains the remove set (k <= m*); on tokens both keep the gradients agree (r*A).
+  tests/algo/test_released_oracle.py runs the released function itself against this rule; docs/algo.md
+  lists what remains different (in float32 the boundary token typically gets half its gradient there, the
+  float32 trust region, the 1e5 ratio cap without a bound, its crashes).
 
 Values are squared in float64 (exact for float32 log-ratios), so sums compare deterministically and the
 distributed version (distributed.py) reproduces the single-process mask bit for bit.
@@ -66,7 +68,8 @@ def remove_keep_count(sorted_v: Tensor, tau: float) -> Tensor:
 
 
 def cap_bound_sq(sorted_v: Tensor, tau: float) -> Tensor:
-    """The released code's squared bound c^2 for ascending float64 values (0-d; +inf = no bound)."""
+    """The bound of the released code's zero-gradient set for ascending float64 values: T tokens with
+    v >= bound lose their gradient (0-d; +inf = no bound)."""
     n = sorted_v.numel()
     dev = sorted_v.device
     if n == 0:
@@ -74,14 +77,15 @@ def cap_bound_sq(sorted_v: Tensor, tau: float) -> Tensor:
     prefix = torch.cumsum(sorted_v, 0)
     total = prefix[-1]
     target = tau * n
-    # f_k = sum_i min(v_i, v_(k)) = prefix_k + (n - k - 1) * v_(k); non-decreasing in k.
+    # f_k = sum_i min(v_i, v_(k) - 1e-12) = prefix_k + (n - k - 1) * (v_(k) - 1e-12), as the released loop
+    # computes it; non-decreasing in k.
     rest = torch.arange(n - 1, -1, -1, device=dev, dtype=torch.float64)
-    f = prefix + rest * sorted_v
+    f = prefix + rest * (sorted_v - CAP_TOL)
     reached = f >= target - CAP_TOL
     k = torch.argmax(reached.to(torch.int8))  # first index where reached (f_{n-1} = total > target here)
-    below = sorted_v[(k - 1).clamp(min=0)] - CAP_TOL
-    c2 = torch.where(k == 0, torch.zeros_like(below), below)
-    if target <= CAP_TOL:  # tau = 0 with M2 > 0: bound at ratio 1 (the released code would crash here)
+    # Zero gradient for v >= v_(k-1) (the released v > v_(k-1) - 1e-12); k = 0 bounds every T token.
+    c2 = torch.where(k == 0, torch.zeros_like(total), sorted_v[(k - 1).clamp(min=0)])
+    if target <= CAP_TOL:  # tau = 0 with M2 > 0: bound at ratio 1 (the released code crashes here)
         c2 = torch.zeros_like(c2)
     no_bound = (total / n <= tau + CAP_TOL) | (target >= total - CAP_TOL)
     return torch.where(no_bound, torch.full_like(c2, math.inf), c2)
@@ -100,7 +104,7 @@ def keep_trust_region_values(tr_log_ratio: Tensor, tau: float, rule: str = "remo
         return torch.ones(0, dtype=torch.bool, device=v.device)
     if rule == "cap":
         sorted_v = torch.sort(v).values
-        return v <= cap_bound_sq(sorted_v, tau)
+        return v < cap_bound_sq(sorted_v, tau)
     sorted_v, order = torch.sort(v, stable=True)
     keep_sorted = torch.arange(n, device=v.device) < remove_keep_count(sorted_v, tau)
     keep = torch.empty_like(keep_sorted)

@@ -103,6 +103,7 @@ def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n
         for rows in (eval_rows, train_rows, calib_rows, warm_rows):
             for r in rows:  # the training format's prompt is the final text fed to the tokenizer
                 r["prompt"] = chat_prompt(tok, r["prompt"])
+                r["chat_template"] = True  # a run must not wrap it again (data.apply_chat_template)
 
         torch.manual_seed(seed)
         cfg = Qwen2Config(vocab_size=64 * ((len(tok) + 63) // 64), hidden_size=model.hidden_size,

@@ -1,4 +1,6 @@
-"""Literal, loop-based references for the algo tests (exact rational arithmetic, no vectorisation)."""
+"""A literal, loop-based Algorithm 1 for the algo tests (exact rational arithmetic, no vectorisation), written
+from the paper's pseudo-code. The released code's variant is tested against the released function itself
+(_released_m2po.py, test_released_oracle.py), not against a transcription."""
 
 from fractions import Fraction
 
@@ -19,31 +21,3 @@ def greedy_remove(lrs, advs, valid, tau):
         remaining.remove(worst)
         dropped.add(worst)
     return [bool(valid[i]) and i not in dropped for i in range(len(lrs))]
-
-
-def released_cap_drop(lrs, advs, valid, tau):
-    """The released code's capped bound (a transcription of its loop over sorted breakpoints, in Python
-    floats) and the resulting zero-gradient set: T tokens with (log r)^2 > c^2."""
-    T = [i for i in range(len(lrs)) if in_trust_region(lrs[i], advs[i], valid[i])]
-    if not T:
-        return [False] * len(lrs)
-    d2 = sorted(float(lrs[i]) ** 2 for i in T)
-    n = len(d2)
-    total = sum(d2)
-    target = tau * n
-    if total / n <= tau + 1e-12 or target >= total - 1e-12:
-        return [False] * len(lrs)
-    if target <= 1e-12:
-        c2 = 0.0
-    else:
-        c2 = None
-        csum = 0.0
-        for k in range(n):
-            csum += d2[k]
-            if d2[k] * (n - k - 1) + csum >= target - 1e-12:
-                c2 = 0.0 if k == 0 else d2[k - 1] - 1e-12
-                break
-    drop = [False] * len(lrs)
-    for i in T:
-        drop[i] = float(lrs[i]) ** 2 > c2
-    return drop

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from _algo_reference import greedy_remove, in_trust_region, released_cap_drop
+from _algo_reference import greedy_remove, in_trust_region
 from m2po_megatron.algo import m2po_keep_mask, policy_loss
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -73,16 +73,13 @@ def test_remove_equals_literal_greedy_on_exact_grid(batch, tau):
 
 @SETTINGS
 @given(grid_batch, grid_tau)
-def test_cap_matches_released_loop_and_contains_remove(batch, tau):
+def test_cap_contains_remove_on_exact_grid(batch, tau):
+    # Agreement of cap with the released code is tested against the released function itself
+    # (test_released_oracle.py); here: its zero-gradient set contains Algorithm 1's removed set.
     lr, adv, mask = unpack(batch, 1 / 32)
-    cap_keep = m2po_keep_mask(lr, adv, mask, tau=tau, rule="cap")
-    rem_keep = m2po_keep_mask(lr, adv, mask, tau=tau, rule="remove")
-    ref_drop = released_cap_drop(lr.tolist(), adv.tolist(), mask.tolist(), tau)
-    cap_drop = (mask & ~cap_keep).tolist()
-    assert cap_drop == ref_drop
-    rem_drop = mask & ~rem_keep
-    # The released code's zero-gradient set contains Algorithm 1's removed set.
-    assert bool((rem_drop & ~(mask & ~cap_keep)).sum() == 0)
+    cap_drop = mask & ~m2po_keep_mask(lr, adv, mask, tau=tau, rule="cap")
+    rem_drop = mask & ~m2po_keep_mask(lr, adv, mask, tau=tau, rule="remove")
+    assert not bool((rem_drop & ~cap_drop).any())
 
 
 @SETTINGS

@@ -1,0 +1,31 @@
+"""`m2po report DIR... [--out OUT]`: a Table-1 style report of runs (held-out accuracy per benchmark and
+their average, at the last and the best evaluation, mean ± std over seeds, per method and staleness) as
+Markdown and CSV, and plots of accuracy, reward and the M2PO / clipping diagnostics against step."""
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser("report", help="Table-1 style report of runs (Markdown, CSV, plots)", description=__doc__)
+    p.add_argument("dirs", nargs="+", metavar="DIR",
+                   help="run directories, or directories holding them (e.g. a sweep's output_dir)")
+    p.add_argument("--out", default=None, help="output directory (default: DIR/report for one DIR, else ./report)")
+    p.add_argument("--no-plots", action="store_true", help="tables only")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import sys
+    from pathlib import Path
+
+    from m2po_megatron.report import ReportError, make_report
+
+    out = Path(args.out) if args.out else (Path(args.dirs[0]) / "report" if len(args.dirs) == 1 else Path("report"))
+    try:
+        paths = make_report(args.dirs, out, plots=not args.no_plots)
+    except ReportError as e:
+        print(f"m2po report: {e}", file=sys.stderr)
+        return 2
+    print(paths["markdown"].read_text())
+    for p in paths.values():
+        print(p)
+    return 0

@@ -1,0 +1,95 @@
+"""data.prompt_template and data.apply_chat_template in a run: the prompt a recipe names is the prompt the
+model sees, in training and evaluation alike, and the chat template is applied exactly once."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from m2po_megatron.config import ConfigError, load_config
+from m2po_megatron.data.prepare import M2PO_TEMPLATE, final_prompts, prepare_rows
+from m2po_megatron.data.tiny_tokenizer import build_tiny_tokenizer
+from m2po_megatron.train import load_data
+
+ROWS = [{"id": "a/0", "prompt": "What is 1+1?", "answer": "2", "problem": "What is 1+1?"},
+        {"id": "a/1", "prompt": "What is 2+3?", "answer": "5", "problem": "What is 2+3?"}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+def chat(tok, text):
+    return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+
+
+def test_the_template_is_rendered_from_the_problem_then_wrapped_once(tok):
+    out = final_prompts(ROWS, template="Q: {problem} A:", tokenizer=tok, apply_chat_template=True, source="x")
+    assert [r["prompt"] for r in out] == [chat(tok, "Q: What is 1+1? A:"), chat(tok, "Q: What is 2+3? A:")]
+    assert out[0]["prompt"].count("<|user|>") == 1
+    plain = final_prompts(ROWS, template="m2po", tokenizer=tok, apply_chat_template=False, source="x")
+    assert plain[1]["prompt"] == M2PO_TEMPLATE.format(problem="What is 2+3?")
+    as_is = final_prompts(ROWS, template=None, tokenizer=tok, apply_chat_template=False, source="x")
+    assert [r["prompt"] for r in as_is] == ["What is 1+1?", "What is 2+3?"]
+
+
+def test_prompts_prepared_with_a_chat_template_are_not_wrapped_twice(tok):
+    rows, _ = prepare_rows([(1, {"problem": "What is 1+1?", "answer": "2"})], "s", template="plain",
+                           tokenizer=tok, seed=None)
+    assert rows[0]["chat_template"] is True and rows[0]["prompt"] == chat(tok, "What is 1+1?")
+    with pytest.raises(ValueError, match="already carries the chat template.*apply_chat_template=false"):
+        final_prompts(rows, template=None, tokenizer=tok, apply_chat_template=True, source="train.jsonl")
+    # Without the marker (an older file, or the tiny task's own rows) the chat prefix gives it away.
+    unmarked = [{k: v for k, v in rows[0].items() if k != "chat_template"}]
+    with pytest.raises(ValueError, match="train.jsonl: row 1"):
+        final_prompts(unmarked, template=None, tokenizer=tok, apply_chat_template=True, source="train.jsonl")
+    # Either fix works: no second wrap, or a template re-rendered from the problem (wrapped once).
+    assert final_prompts(rows, template=None, tokenizer=tok, apply_chat_template=False,
+                         source="x")[0]["prompt"] == chat(tok, "What is 1+1?")
+    again = final_prompts(rows, template="plain", tokenizer=tok, apply_chat_template=True, source="x")
+    assert again[0]["prompt"] == chat(tok, "What is 1+1?")
+
+
+def test_a_template_needs_the_problem_field(tok):
+    with pytest.raises(ValueError, match="row 1 .* no 'problem' field.*prompt_template=null"):
+        final_prompts([{"id": "q", "prompt": "p", "answer": "1"}], template="plain", tokenizer=tok,
+                      apply_chat_template=False, source="d.jsonl")
+
+
+def test_a_bad_template_fails_config_validation():
+    with pytest.raises(ConfigError, match="data.prompt_template.*problem"):
+        load_config("tiny-cpu", ["data.prompt_template=Solve {question}"], check_files=False)
+    with pytest.raises(ConfigError, match="data.prompt_template"):
+        load_config("tiny-cpu", ["data.prompt_template=no field"], check_files=False)
+
+
+def test_the_run_feeds_training_and_evaluation_the_same_prompt(tmp_path, tok):
+    for name in ("train", "eval"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = load_config("tiny-cpu", [f"data.train_path={tmp_path / 'train.jsonl'}",
+                                   f"data.eval_paths=[{tmp_path / 'eval.jsonl'}]",
+                                   "data.prompt_template=m2po", "data.apply_chat_template=true",
+                                   "data.max_prompt_len=1024"],
+                      check_files=False)
+    prompts, eval_sets = load_data(cfg, tok)
+    expected = {chat(tok, M2PO_TEMPLATE.format(problem=r["problem"])) for r in ROWS}
+    assert {r["prompt"] for r in prompts.rows} == expected
+    assert {r["prompt"] for r in eval_sets[0].rows} == expected
+
+
+PAPER = sorted(p for p in (Path(__file__).resolve().parents[2] / "recipes" / "paper").glob("*.yaml")
+               if p.name != "base.yaml")
+
+
+@pytest.mark.parametrize("recipe", PAPER, ids=[p.stem for p in PAPER])
+def test_paper_recipes_resolve_to_the_papers_prompt_and_gspo_aggregation(recipe):
+    from m2po_megatron.train import actor_kwargs
+
+    for algo, agg in (("m2po", "token-mean"), ("grpo", "token-mean"), ("grpo_notr", "token-mean"),
+                      ("gspo", "seq-mean-token-mean")):
+        cfg = load_config(recipe, [f"algo.name={algo}"], check_files=False)
+        assert cfg.data.prompt_template == M2PO_TEMPLATE
+        assert cfg.data.apply_chat_template is True
+        assert cfg.algo.gspo.loss_agg_mode == "seq-mean-token-mean"
+        assert actor_kwargs(cfg)["loss_kwargs"]["loss_agg_mode"] == agg, (recipe, algo)
