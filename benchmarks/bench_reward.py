@@ -72,7 +72,7 @@ def bench_eval(model_dir: str | None, problems: int, n: int) -> dict:
 
     torch.set_num_threads(1)
     if model_dir is None:
-        from m2po_megatron.data.tiny_model import build_tiny_task
+        from m2po_megatron.demo.tiny_model import build_tiny_task
 
         model_dir = build_tiny_task(tempfile.mkdtemp(prefix="tiny-bench-"), seed=0, log=lambda s: None).model_dir
     tok = AutoTokenizer.from_pretrained(model_dir)

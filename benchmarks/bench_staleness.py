@@ -47,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     task = Path(args.task_dir)
     if not (task / "build_info.json").exists():
-        from m2po_megatron.data.tiny_model import build_tiny_task
+        from m2po_megatron.demo.tiny_model import build_tiny_task
 
         build_tiny_task(task, seed=0)
     tmp = Path(tempfile.mkdtemp(prefix="m2po-bench-stale-"))

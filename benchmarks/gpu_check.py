@@ -185,7 +185,7 @@ def actor_part(model_name: str, dry: bool, n_seqs: int, budget_tokens: int, reps
 
     from m2po_megatron.actor.actor import MegatronActor
     from m2po_megatron.actor.packing import plan_microbatches
-    from m2po_megatron.memory import estimate_gpu_memory
+    from m2po_megatron.models.memory import estimate_gpu_memory
 
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")

@@ -710,7 +710,7 @@ def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
             errors.append(str(e))
             return
         if est["total"] > cfg.cluster.gpu_memory_gb:
-            from m2po_megatron.memory import format_estimate
+            from m2po_megatron.models.memory import format_estimate
 
             errors.append(f"estimated trainer memory {est['total']:.1f} GiB per GPU exceeds cluster.gpu_memory_gb = "
                           f"{cfg.cluster.gpu_memory_gb}; raise tensor/pipeline parallel size or lower "
@@ -718,12 +718,12 @@ def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
 
 
 def estimate_memory(cfg: DictConfig, hf: Optional[dict] = None) -> Optional[dict]:
-    """The per-GPU memory estimate of a trainer rank in GiB (m2po_megatron.memory), or None when the model's
+    """The per-GPU memory estimate of a trainer rank in GiB (m2po_megatron.models.memory), or None when the model's
     config.json is not known. A layout it cannot compute is a ConfigError naming the field."""
     hf = hf if hf is not None else read_hf_config(cfg)
     if hf is None:
         return None
-    from m2po_megatron.memory import estimate_gpu_memory
+    from m2po_megatron.models.memory import estimate_gpu_memory
 
     p = cfg.parallel
     dtype = cfg.model.params_dtype

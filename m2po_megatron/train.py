@@ -14,14 +14,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from m2po_megatron import device
+from m2po_megatron.infra import device
 from m2po_megatron.config import as_plain, run_dir, save_resolved, secret
-from m2po_megatron.metrics import MetricsLogger, Progress
+from m2po_megatron.run.metrics import MetricsLogger, Progress
 
 
 def train(cfg: DictConfig) -> Path:
-    from m2po_megatron.cluster import init_ray, shutdown_ray
-    from m2po_megatron.run_state import CheckpointManager, install_sigterm_flag
+    from m2po_megatron.infra.cluster import init_ray, shutdown_ray
+    from m2po_megatron.run.state import CheckpointManager, install_sigterm_flag
     from m2po_megatron.staleness import SampleLedger
 
     rdir = run_dir(cfg)
@@ -181,7 +181,7 @@ def trainer_world_size(cfg: DictConfig) -> int:
 def check_run_dir(cfg: DictConfig, rdir: Path, ckpts):
     """The checkpoint to resume from (None: start fresh), checked, and the refusal to start a new run over
     another one. Reads only."""
-    from m2po_megatron.rundir import refuse_if_used
+    from m2po_megatron.run.rundir import refuse_if_used
 
     if cfg.run.overwrite:  # start over: whatever is there is moved aside (claim_run_dir)
         return None
@@ -217,7 +217,7 @@ def checkpoint_step(path) -> int:
 def claim_run_dir(cfg: DictConfig, rdir: Path, ckpts, resume_from):
     """Take the directory's lock; --overwrite moves an old run aside; a resume drops what came after its
     checkpoint (metrics rows, newer checkpoints), so every step is logged once."""
-    from m2po_megatron.rundir import RunDirLock, move_aside, truncate_metrics
+    from m2po_megatron.run.rundir import RunDirLock, move_aside, truncate_metrics
 
     if cfg.run.overwrite and rdir.exists():
         old = RunDirLock(rdir).acquire()  # not while another process runs in it
@@ -260,7 +260,7 @@ def load_data(cfg: DictConfig, tokenizer):
     from m2po_megatron.config import ConfigError
     from m2po_megatron.data.prepare import final_prompts
     from m2po_megatron.eval.benchmarks import EvalSet
-    from m2po_megatron.generation import PromptStream, Tokenize, load_prompt_rows
+    from m2po_megatron.rollout.generators import PromptStream, Tokenize, load_prompt_rows
 
     d = cfg.data
     if not d.train_path:
@@ -298,14 +298,14 @@ def start_rollout_engines(cfg: DictConfig, rdir: Path):
     or attach to rollout.urls. Returns (manager or None, urls)."""
     import ray
 
-    from m2po_megatron.cluster import ROLLOUT_RESOURCE
+    from m2po_megatron.infra.cluster import ROLLOUT_RESOURCE
     from m2po_megatron.rollout.launcher import EngineManager, ServerSpec
 
     r = cfg.rollout
     api_key = secret(r.api_key, "M2PO_API_KEY")
     if r.urls:
         return None, EngineManager.attach(list(r.urls), api_key=api_key, timeout_s=r.health_timeout_s)
-    from m2po_megatron.run_state import RunError
+    from m2po_megatron.run.state import RunError
 
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get(ROLLOUT_RESOURCE)]
     if not nodes:
@@ -389,9 +389,9 @@ def start_trainers(cfg: DictConfig, world: int, rdir: Path, ckpts) -> "Ranks":
     gpus_per_node consecutive ranks (whole tensor-parallel groups)."""
     import ray
 
-    from m2po_megatron.cluster import PlacementTimeout, RankGroup
-    from m2po_megatron.run_state import RunError
-    from m2po_megatron.trainer_worker import TrainerWorker
+    from m2po_megatron.infra.cluster import PlacementTimeout, RankGroup
+    from m2po_megatron.run.state import RunError
+    from m2po_megatron.actor.worker import TrainerWorker
 
     gpus = cfg.cluster.gpus_per_node
     try:
@@ -428,7 +428,7 @@ def wait_servers(cfg: DictConfig, engines, urls: list[str]) -> None:
     the run with its URL and log."""
     from m2po_megatron.rollout.launcher import wait_healthy
 
-    from m2po_megatron.run_state import RunError
+    from m2po_megatron.run.state import RunError
 
     for info in engines.info():
         if info.get("last_error") and not info.get("alive"):
@@ -486,7 +486,7 @@ def rollout_sampling(cfg: DictConfig) -> dict:
 
 
 def make_generator(cfg, client, rewards, tokenizer, prompts, ledger, trainers):
-    from m2po_megatron.generation import AsyncGenerator, GroupMaker, SyncGenerator, Tokenize
+    from m2po_megatron.rollout.generators import AsyncGenerator, GroupMaker, SyncGenerator, Tokenize
     from m2po_megatron.staleness import FixedLagQueue, StalenessController
 
     r, s, t = cfg.rollout, cfg.staleness, cfg.train
@@ -512,7 +512,7 @@ def start_generation(generator) -> None:
 # Per-step hooks
 # ----------------------------------------------------------------------------------------------------
 def build_batch(cfg: DictConfig, groups, version: int, ledger):
-    from m2po_megatron.samples import build_step_batch
+    from m2po_megatron.rollout.samples import build_step_batch
 
     s = cfg.staleness
     bound = s.max_staleness if s.mode == "bounded" else None
@@ -531,7 +531,7 @@ def train_on(cfg: DictConfig, trainers, batch) -> dict:
 def next_batch(cfg: DictConfig, generator, version: int, ckpts):
     """The next batch of groups; a wait past cluster.timeout_s, or generation that failed for good (every
     server down past its restarts), stops the run with a RunError naming it."""
-    from m2po_megatron.run_state import RunError
+    from m2po_megatron.run.state import RunError
 
     try:
         return generator.next_groups(version, timeout_s=cfg.cluster.timeout_s)
@@ -556,7 +556,7 @@ class Ranks:
     def call(self, method: str, *args, timeout: float | None = None, what: str | None = None, **kwargs):
         import ray
 
-        from m2po_megatron.run_state import RunError
+        from m2po_megatron.run.state import RunError
 
         what = what or f"{method} on the trainer ranks"
         timeout = timeout or self.timeout_s
@@ -691,7 +691,7 @@ def evaluate(cfg: DictConfig, client, tokenizer, eval_sets: list, rdir: Path, st
 # Checkpoint and resume
 # ----------------------------------------------------------------------------------------------------
 def save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator) -> Path:
-    from m2po_megatron.run_state import capture_rng_state, save_run_state
+    from m2po_megatron.run.state import capture_rng_state, save_run_state
 
     with generator.lock:  # one consistent cut of the ledger and what the generator holds
         state = {"step": step, "version": version, "prompts": prompts.state_dict(),
@@ -703,11 +703,11 @@ def save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator) 
 
 
 def restore(path: Path, trainers, prompts, ledger, generator) -> tuple[int, int]:
-    from m2po_megatron.run_state import load_run_state, restore_rng_state
+    from m2po_megatron.run.state import load_run_state, restore_rng_state
 
     import ray
 
-    from m2po_megatron.run_state import RunStateError
+    from m2po_megatron.run.state import RunStateError
 
     state = load_run_state(Path(path) / "run_state.json")
     restore_rng_state(state["rng"])

@@ -52,7 +52,7 @@ def shared_dir():
 def tiny_task(tmp_path_factory):
     """The embedded default's task (tokenizer, warmed-up tiny Qwen2, synthetic data), built once per test
     session (~40 s of CPU), or reused from M2PO_TINY_TASK_DIR when that points at a finished build."""
-    from m2po_megatron.data.tiny_model import INFO_FILE, build_tiny_task
+    from m2po_megatron.demo.tiny_model import INFO_FILE, build_tiny_task
 
     given = os.environ.get("M2PO_TINY_TASK_DIR")
     if given and (pathlib.Path(given) / INFO_FILE).exists():

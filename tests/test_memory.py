@@ -1,11 +1,11 @@
-"""m2po_megatron.memory: parameter counts of the six paper models and the per-GPU memory estimate."""
+"""m2po_megatron.models.memory: parameter counts of the six paper models and the per-GPU memory estimate."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from m2po_megatron.memory import (LOGPROB_CHUNK_BYTES, estimate_gpu_memory, load_hf_config, model_shape,
+from m2po_megatron.models.memory import (LOGPROB_CHUNK_BYTES, estimate_gpu_memory, load_hf_config, model_shape,
                                   param_count)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "m2po_megatron" / "assets" / "configs"

@@ -6,7 +6,7 @@ import matplotlib.image as mpimg
 import pytest
 
 from m2po_megatron.cli import main
-from m2po_megatron.plot import plot_runs, read_metrics_file
+from m2po_megatron.sweep.plot import plot_runs, read_metrics_file
 
 
 def _write_run(run_dir, steps=40, seed=0.0, eval_every=10, truncate=False):

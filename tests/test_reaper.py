@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from m2po_megatron import reaper
+from m2po_megatron.infra import reaper
 
 DEADLINE = 60  # failure timeout only: the guardian acts on the driver's death, not on a timer
 
@@ -37,7 +37,7 @@ def test_kill9_of_the_driver_reaps_its_processes_and_temp_dir(tmp_path):
     dir (as Ray's agents do). kill -9 of the driver takes all of them and the temp dir."""
     driver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import os, subprocess, sys, tempfile, time
-        from m2po_megatron import reaper
+        from m2po_megatron.infra import reaper
         token = reaper.new_token()
         tmp = tempfile.mkdtemp(prefix=reaper.PREFIX, dir={str(tmp_path)!r})
         reaper.write_owner(tmp, token, owned=True)

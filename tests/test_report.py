@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from m2po_megatron.report import ReportError, last_and_best, make_report
+from m2po_megatron.sweep.report import ReportError, last_and_best, make_report
 
 REPO = Path(__file__).resolve().parents[1]
 

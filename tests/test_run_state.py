@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from m2po_megatron.run_state import (
+from m2po_megatron.run.state import (
     MARKER,
     CheckpointManager,
     RunStateError,
@@ -84,7 +84,7 @@ def test_crash_in_a_real_process_leaves_previous_checkpoint(tmp_path):
     _save(mgr, 5)
     code = textwrap.dedent(f"""
         import os
-        from m2po_megatron.run_state import CheckpointManager
+        from m2po_megatron.run.state import CheckpointManager
         mgr = CheckpointManager({str(tmp_path)!r})
         tmp = mgr.begin(6)
         with open(tmp / "big.bin", "wb") as f:
@@ -248,7 +248,7 @@ def test_stop_timeout_interrupts_a_stuck_main_thread():
     blocks (here on a lock nobody releases), so a stop that cannot finish still ends, promptly."""
     code = textwrap.dedent("""
         import os, signal, sys, threading
-        from m2po_megatron.run_state import StopNow, install_sigterm_flag
+        from m2po_megatron.run.state import StopNow, install_sigterm_flag
         flag = install_sigterm_flag(timeout_s=0.5)
         os.kill(os.getpid(), signal.SIGTERM)
         try:
@@ -266,7 +266,7 @@ def test_stop_timeout_interrupts_a_stuck_main_thread():
 def test_sigterm_lets_a_loop_checkpoint_and_exit(tmp_path):
     code = textwrap.dedent(f"""
         import sys, time
-        from m2po_megatron.run_state import CheckpointManager, install_sigterm_flag, save_run_state
+        from m2po_megatron.run.state import CheckpointManager, install_sigterm_flag, save_run_state
         flag = install_sigterm_flag()
         mgr = CheckpointManager({str(tmp_path)!r})
         print("ready", flush=True)

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from m2po_megatron.config import ConfigError
-from m2po_megatron.rundir import RunDirLock, describe_run, move_aside, refuse_if_used, truncate_metrics
+from m2po_megatron.run.rundir import RunDirLock, describe_run, move_aside, refuse_if_used, truncate_metrics
 
 
 def _run(tmp_path, rows=3):
@@ -50,7 +50,7 @@ def test_truncate_metrics_keeps_the_checkpoints_steps(tmp_path):
 def test_the_lock_admits_one_process_and_dies_with_it(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
-        from m2po_megatron.rundir import RunDirLock
+        from m2po_megatron.run.rundir import RunDirLock
         RunDirLock({str(tmp_path)!r}).acquire()
         print("held", flush=True)
         sys.stdin.read()

@@ -1,4 +1,4 @@
-"""m2po_megatron.sweep without Slurm: grid expansion, validation, the sbatch plan, status from run dirs;
+"""m2po_megatron.sweep.grid without Slurm: grid expansion, validation, the sbatch plan, status from run dirs;
 and the paper recipes: each loads, validates and fits the per-GPU memory estimate under 80 GB."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from m2po_megatron import sweep as sw
+from m2po_megatron.sweep import grid as sw
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER = sorted((REPO / "recipes" / "paper").glob("*.yaml"))
@@ -54,7 +54,7 @@ def test_table1_validates_and_groups_runs_by_node_count():
 @pytest.mark.parametrize("recipe", MODELS, ids=[p.stem for p in MODELS])
 def test_paper_recipe_fits_80gb_per_gpu(recipe):
     from m2po_megatron.config import load_config, read_hf_config
-    from m2po_megatron.memory import estimate_gpu_memory
+    from m2po_megatron.models.memory import estimate_gpu_memory
 
     cfg = load_config(recipe, check_files=False)  # the weights are not on this machine
     hf = read_hf_config(cfg)
@@ -152,11 +152,11 @@ def test_status_reads_the_run_record_and_the_last_complete_metrics_line(tmp_path
 
 
 def test_layout_helper_prints_nodes_and_run_dir(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "m2po_megatron.sweep", "layout", str(LAYOUT_RECIPE),
+    res = subprocess.run([sys.executable, "-m", "m2po_megatron.sweep.grid", "layout", str(LAYOUT_RECIPE),
                           f"run.output_dir={tmp_path}", "cluster.trainer_nodes=3"],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["3", "1", f"{tmp_path}/two-node"]
-    bad = subprocess.run([sys.executable, "-m", "m2po_megatron.sweep", "layout", str(LAYOUT_RECIPE),
+    bad = subprocess.run([sys.executable, "-m", "m2po_megatron.sweep.grid", "layout", str(LAYOUT_RECIPE),
                           "cluster.trainer_nodse=3"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert bad.returncode == 2 and "cluster.trainer_nodes" in bad.stderr

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from m2po_megatron import sweep as sw
-from m2po_megatron.metrics import read_metrics
-from m2po_megatron.sweep_local import checkpoint_step, local_state
+from m2po_megatron.sweep import grid as sw
+from m2po_megatron.run.metrics import read_metrics
+from m2po_megatron.sweep.local import checkpoint_step, local_state
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 900

@@ -17,7 +17,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n-train", type=int, default=512)
     ap.add_argument("--n-eval", type=int, default=128)
     args = ap.parse_args(argv)
-    from m2po_megatron.data.tiny_model import build_tiny_task
+    from m2po_megatron.demo.tiny_model import build_tiny_task
 
     paths = build_tiny_task(args.out_dir, seed=args.seed, target_accuracy=args.target_accuracy,
                             max_warmup_steps=args.max_warmup_steps, n_train=args.n_train, n_eval=args.n_eval)

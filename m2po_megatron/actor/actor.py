@@ -655,7 +655,7 @@ def _combine_updates(per_update: list[dict], updates_applied: int) -> dict:
 
 
 def _comm_device():
-    from m2po_megatron.device import device
+    from m2po_megatron.infra.device import device
 
     return device()
 

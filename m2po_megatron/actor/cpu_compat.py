@@ -26,7 +26,7 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
-from m2po_megatron.device import has_cuda
+from m2po_megatron.infra.device import has_cuda
 
 _lock = threading.Lock()
 _patched = False  # process-wide patches applied

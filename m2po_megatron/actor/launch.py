@@ -16,7 +16,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-from m2po_megatron.net import rendezvous_env, serve_rendezvous
+from m2po_megatron.infra.net import rendezvous_env, serve_rendezvous
 
 
 def _child(fn, rank, world_size, env, args, kwargs, q):

@@ -1,13 +1,13 @@
 """torch.distributed + Megatron model-parallel setup for one actor rank.
 
 Reads the torchrun/Ray-style environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), picks the
-backend from m2po_megatron.device, and on CPU turns on the compatibility layer before Megatron is touched."""
+backend from m2po_megatron.infra.device, and on CPU turns on the compatibility layer before Megatron is touched."""
 from __future__ import annotations
 
 import datetime
 import os
 
-from m2po_megatron.device import dist_backend, has_cuda, select_gpu
+from m2po_megatron.infra.device import dist_backend, has_cuda, select_gpu
 
 
 def check_parallel_sizes(world_size: int, tensor_model_parallel_size: int = 1,

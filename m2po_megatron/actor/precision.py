@@ -60,7 +60,7 @@ def resolve_precision(precision: str, fp8: Optional[str], fp8_recipe: Optional[s
 
 def probe_machine() -> tuple[bool, bool, Optional[tuple[int, int]]]:
     """(cuda, transformer_engine importable, compute capability) for resolve_precision."""
-    from m2po_megatron.device import has_cuda
+    from m2po_megatron.infra.device import has_cuda
 
     cuda = has_cuda()
     te = False

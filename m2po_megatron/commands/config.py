@@ -17,7 +17,7 @@ def run(args) -> int:
     import yaml
 
     from m2po_megatron.config import estimate_memory, load_config, redact
-    from m2po_megatron.memory import format_estimate
+    from m2po_megatron.models.memory import format_estimate
 
     cfg = load_config(args.recipe, args.overrides, check_files=not args.no_check_files)
     print(yaml.safe_dump(redact(cfg), sort_keys=False), end="")

@@ -19,7 +19,7 @@ def register(sub) -> None:
 
 
 def ensure_tiny_task(task_dir: str, seed: int) -> Path:
-    from m2po_megatron.data.tiny_model import INFO_FILE, build_tiny_task
+    from m2po_megatron.demo.tiny_model import INFO_FILE, build_tiny_task
 
     out = Path(task_dir)
     if not (out / INFO_FILE).exists():
@@ -30,8 +30,8 @@ def ensure_tiny_task(task_dir: str, seed: int) -> Path:
 
 def run(args) -> int:
     from m2po_megatron.config import load_config
-    from m2po_megatron.metrics import read_metrics
-    from m2po_megatron.plot import plot_runs
+    from m2po_megatron.run.metrics import read_metrics
+    from m2po_megatron.sweep.plot import plot_runs
     from m2po_megatron.train import train
 
     task = ensure_tiny_task(args.task_dir, args.seed)

@@ -19,7 +19,7 @@ def run(args) -> int:
     import sys
     from pathlib import Path
 
-    from m2po_megatron.plot import plot_runs
+    from m2po_megatron.sweep.plot import plot_runs
 
     first = Path(args.run_dirs[0])
     first = first.parent if first.suffix == ".jsonl" else first

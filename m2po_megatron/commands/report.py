@@ -17,7 +17,7 @@ def run(args) -> int:
     import sys
     from pathlib import Path
 
-    from m2po_megatron.report import ReportError, make_report
+    from m2po_megatron.sweep.report import ReportError, make_report
 
     out = Path(args.out) if args.out else (Path(args.dirs[0]) / "report" if len(args.dirs) == 1 else Path("report"))
     try:

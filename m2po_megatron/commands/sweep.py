@@ -31,7 +31,7 @@ def register(subparsers) -> None:
 
 
 def handler(args) -> int:
-    from m2po_megatron import sweep
+    from m2po_megatron.sweep import grid as sweep
 
     try:
         if args.target[0] == "status" or args.status:
@@ -49,7 +49,7 @@ def handler(args) -> int:
             print("usage: m2po sweep SWEEP.yaml [--dry-run | --local [-j N]]", file=sys.stderr)
             return 2
         if args.local:
-            from m2po_megatron.sweep_local import run_local
+            from m2po_megatron.sweep.local import run_local
 
             left = run_local(args.target[0], parallel=args.jobs, dry_run=args.dry_run)
             return 1 if left and not args.dry_run else 0

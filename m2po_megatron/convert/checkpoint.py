@@ -17,7 +17,7 @@ import shutil
 import time
 import torch
 
-from m2po_megatron.net import rendezvous_env, serve_rendezvous
+from m2po_megatron.infra.net import rendezvous_env, serve_rendezvous
 from m2po_megatron.models.hf_checkpoint import CheckpointMismatchError, open_hf_source, validate_hf_source
 from m2po_megatron.models.hf_config import HFModelSpec, read_hf_config
 from m2po_megatron.models.weights import expected_hf_names, expected_hf_shapes, hf_names, rule_for, to_hf
@@ -401,7 +401,7 @@ def verify_logits(hf_dir: str, ckpt_dir: str, *, seq_len: int = 32, batch: int =
         validate_megatron_checkpoint(spec, ckpt_dir, model)
         load_megatron_checkpoint(model, ckpt_dir)
         model = model.float()
-        from m2po_megatron.device import device
+        from m2po_megatron.infra.device import device
 
         pos = torch.arange(seq_len).unsqueeze(0).expand(batch, -1)
         out = model(input_ids=ids.to(device()), position_ids=pos.to(device()), attention_mask=None).float().cpu()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from m2po_megatron.device import has_cuda
+from m2po_megatron.infra.device import has_cuda
 from m2po_megatron.models.hf_config import HFModelSpec, UnsupportedModelError, read_hf_config
 
 FP8_FORMATS = ("e4m3", "hybrid")

@@ -29,7 +29,7 @@ import time
 from typing import Sequence
 
 from m2po_megatron.rollout import _http
-from m2po_megatron.net import free_port
+from m2po_megatron.infra.net import free_port
 
 
 class ServerStartError(RuntimeError):

@@ -6,7 +6,7 @@ server: POST /pause_generation {mode}, POST /begin_weight_update (SGLang 0.5.23 
 this session, answering success=false at once without joining the broadcast), then for each bucket of
 (hf_name, tensor) pairs POST /update_weights_from_distributed with the names/dtypes/shapes while rank 0
 broadcasts the tensors, then POST /end_weight_update and /continue_generation. Transport: NCCL on GPUs, gloo
-on CPU (m2po_megatron.device.dist_backend()).
+on CPU (m2po_megatron.infra.device.dist_backend()).
 
 Only the source rank constructs this class. The group is built from its own TCP store (process_group.py),
 so the trainer's default (Megatron) process group is untouched."""
@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 import torch
 
 from m2po_megatron.rollout import _http
-from m2po_megatron.net import serve_rendezvous
+from m2po_megatron.infra.net import serve_rendezvous
 
 PAUSE_MODES = ("retract", "in_place", "abort")
 
@@ -70,7 +70,7 @@ class DistributedWeightSync:
         self.master_address = master_address
         self.master_port = master_port
         if backend is None:
-            from m2po_megatron.device import dist_backend
+            from m2po_megatron.infra.device import dist_backend
 
             backend = dist_backend()
         self.backend = backend
@@ -191,7 +191,7 @@ class DistributedWeightSync:
         t0 = time.perf_counter()
         device = None
         if self.backend == "nccl":
-            from m2po_megatron.device import device as _device
+            from m2po_megatron.infra.device import device as _device
 
             device = _device()
         nbytes = ntensors = nbuckets = 0

@@ -73,7 +73,7 @@ def _step_worker(backend, fp8, toy=False):
 
     from m2po_megatron.actor.actor import MegatronActor
     from m2po_megatron.actor.batch import TrainBatch
-    from m2po_megatron.memory import estimate_gpu_memory
+    from m2po_megatron.models.memory import estimate_gpu_memory
 
     dev, precision = _device_and_precision()
     cfg = _qwen3(8, toy)
@@ -104,7 +104,7 @@ def _step_worker(backend, fp8, toy=False):
                                           pytest.param("te", None, marks=pytest.mark.skipif(not HAS_TE, reason="no TE")),
                                           pytest.param("te", "e4m3", marks=pytest.mark.skipif(not HAS_TE, reason="no TE"))])
 def test_train_step_is_finite_and_peak_memory_within_the_estimate(backend, fp8):
-    from m2po_megatron.memory import MARGIN
+    from m2po_megatron.models.memory import MARGIN
 
     r = run_multiprocess(_step_worker, 1, args=(backend, fp8), timeout=280)[0]
     print(backend, fp8, {k: (v / 1024**3 if k in ("peak", "estimate") else v) for k, v in r.items()})

@@ -6,7 +6,7 @@ import pytest
 
 import memory_worker as mw
 from m2po_megatron.actor.launch import run_multiprocess
-from m2po_megatron.memory import layer_saved_elements, model_shape
+from m2po_megatron.models.memory import layer_saved_elements, model_shape
 
 CASES = [(m, b, "bf16", r) for m in ("qwen2", "qwen3") for b in ("sdpa", "local") for r in (None, "selective")]
 ROW = 512

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from m2po_megatron.net import rendezvous_env, serve_rendezvous
+from m2po_megatron.infra.net import rendezvous_env, serve_rendezvous
 
 WORKER = pathlib.Path(__file__).with_name("_algo_dist_worker.py")
 

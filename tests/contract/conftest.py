@@ -31,7 +31,7 @@ def cpu_server(tiny_model_dir, tmp_path_factory):
     import subprocess
     from types import SimpleNamespace
 
-    from m2po_megatron.net import free_port
+    from m2po_megatron.infra.net import free_port
     from m2po_megatron.rollout.launcher import ServerSpec, build_command, wait_healthy
 
     python = os.environ.get("M2PO_PROJECT_PYTHON")

@@ -70,7 +70,7 @@ def test_templates():
 
 
 def test_chat_template_with_tiny_tokenizer():
-    from m2po_megatron.data.tiny_tokenizer import build_tiny_tokenizer
+    from m2po_megatron.demo.tiny_tokenizer import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     text = render_prompt("Compute 1+2.", "{problem}", tok)

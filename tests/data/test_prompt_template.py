@@ -8,7 +8,7 @@ import pytest
 
 from m2po_megatron.config import ConfigError, load_config
 from m2po_megatron.data.prepare import M2PO_TEMPLATE, final_prompts, prepare_rows
-from m2po_megatron.data.tiny_tokenizer import build_tiny_tokenizer
+from m2po_megatron.demo.tiny_tokenizer import build_tiny_tokenizer
 from m2po_megatron.train import load_data
 
 ROWS = [{"id": "a/0", "prompt": "What is 1+1?", "answer": "2", "problem": "What is 1+1?"},

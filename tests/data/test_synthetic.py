@@ -2,8 +2,8 @@
 
 import pytest
 
-from m2po_megatron.data.synthetic import SumSpec, generate_problems
-from m2po_megatron.data.tiny_tokenizer import build_tiny_tokenizer
+from m2po_megatron.demo.synthetic import SumSpec, generate_problems
+from m2po_megatron.demo.tiny_tokenizer import build_tiny_tokenizer
 from m2po_megatron.reward import math_verify_reward
 
 

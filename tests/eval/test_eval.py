@@ -7,7 +7,7 @@ import pytest
 
 from m2po_megatron.cli import main as cli
 from m2po_megatron.data.records import load_rows
-from m2po_megatron.data.tiny_tokenizer import build_tiny_tokenizer
+from m2po_megatron.demo.tiny_tokenizer import build_tiny_tokenizer
 from m2po_megatron.eval import EvalSet, evaluate, hf_generate_fn, load_eval_sets
 
 

@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Optional
 
-from m2po_megatron.metrics import read_metrics
+from m2po_megatron.run.metrics import read_metrics
 
 RUN_TIMEOUT = 600  # a failure deadline for one driver on a loaded 2-core machine, never a wait
 
@@ -60,7 +60,7 @@ def checkpoints(run_dir: Path) -> list[int]:
 def assert_checkpoints_intact(run_dir: Path) -> None:
     """Every step_XXXXXXX directory is complete and matches its manifest (a write cut short stays a
     .tmp directory, which resume ignores)."""
-    from m2po_megatron.run_state import CheckpointManager
+    from m2po_megatron.run.state import CheckpointManager
 
     mgr = CheckpointManager(Path(run_dir) / "checkpoints")
     dirs = [p for p in mgr.root.glob("step_*") if p.name[5:].isdigit()]

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from m2po_megatron import cluster
-from m2po_megatron.cluster import RankActorBase, RankGroup, init_ray, shutdown_ray
+from m2po_megatron.infra import cluster
+from m2po_megatron.infra.cluster import RankActorBase, RankGroup, init_ray, shutdown_ray
 
 
 @pytest.mark.timeout(240)
@@ -49,7 +49,7 @@ def test_local_ray_rank_group_and_cleanup():
 
 
 def test_rank_bundles_keep_consecutive_ranks_on_one_node():
-    from m2po_megatron.cluster import rank_bundles
+    from m2po_megatron.infra.cluster import rank_bundles
 
     groups = rank_bundles(16, ranks_per_node=8, gpus_per_rank=1)
     assert [len(g) for g in groups] == [8, 8] and groups[0][0] == {"trainer": 1e-3, "GPU": 1}
@@ -66,13 +66,13 @@ def test_rank_bundles_keep_consecutive_ranks_on_one_node():
     ([], "0,1", 5),                # not under Ray (torchrun): LOCAL_RANK as given
 ])
 def test_local_gpu_index_from_ray_assignment(ray_ids, visible, expected):
-    from m2po_megatron.device import local_gpu_index
+    from m2po_megatron.infra.device import local_gpu_index
 
     assert local_gpu_index(ray_ids, visible, local_rank=5) == expected
 
 
 def test_local_gpu_index_refuses_impossible_assignments():
-    from m2po_megatron.device import local_gpu_index
+    from m2po_megatron.infra.device import local_gpu_index
 
     with pytest.raises(ValueError, match="not in CUDA_VISIBLE_DEVICES"):
         local_gpu_index([3], "0,1")
@@ -122,7 +122,7 @@ def test_a_gpu_index_the_process_cannot_see_is_refused():
     """torch.cuda.set_device accepts a missing index silently (the first H200 run); select_gpu does not."""
     import torch
 
-    from m2po_megatron.device import select_gpu
+    from m2po_megatron.infra.device import select_gpu
 
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs; the index check is exercised where there are none")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from m2po_megatron.metrics import MetricsLogger, Progress, read_metrics
+from m2po_megatron.run.metrics import MetricsLogger, Progress, read_metrics
 
 
 def test_jsonl_rows_and_secret_keys_dropped(tmp_path):
@@ -36,7 +36,7 @@ def test_truncated_last_line_is_tolerated(tmp_path):
 
 def test_wandb_offline_creates_run_dir(tmp_path):
     code = (
-        "import sys; from m2po_megatron.metrics import MetricsLogger\n"
+        "import sys; from m2po_megatron.run.metrics import MetricsLogger\n"
         "m = MetricsLogger(sys.argv[1], config={'rollout': {'api_key': 'sk-secret'}}, wandb_mode='offline')\n"
         "m.log({'reward/mean': 1.0}, step=1); m.close()\n"
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from m2po_megatron.metrics import read_metrics
+from m2po_megatron.run.metrics import read_metrics
 
 RUN_TIMEOUT = 900
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from m2po_megatron.net import rendezvous_env, serve_rendezvous
+from m2po_megatron.infra.net import rendezvous_env, serve_rendezvous
 
 
 def run_ranks(script: str, args: list[str], world_size: int, timeout: float = 240.0, env_extra=None) -> list[str]:

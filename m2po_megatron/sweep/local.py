@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, TextIO
 
-from m2po_megatron.sweep import (MANIFEST, REPO, Run, SweepError, expand, last_metrics, load_sweep,
+from m2po_megatron.sweep.grid import (MANIFEST, REPO, Run, SweepError, expand, last_metrics, load_sweep,
                                  sweep_output_dir)
 
 LOCAL_LOG = "local.log"
@@ -60,7 +60,7 @@ def _pid_alive(pid: int) -> bool:
 
 def checkpoint_step(run_dir: Path) -> int:
     """The step of the run's latest complete checkpoint (0 if none)."""
-    from m2po_megatron.run_state import CheckpointManager
+    from m2po_megatron.run.state import CheckpointManager
 
     latest = CheckpointManager(run_dir / "checkpoints", keep_last=0).latest()
     return int(latest.name.split("_")[-1]) if latest else 0

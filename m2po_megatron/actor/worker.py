@@ -9,7 +9,7 @@ import itertools
 import os
 from typing import Optional
 
-from m2po_megatron.cluster import RankActorBase
+from m2po_megatron.infra.cluster import RankActorBase
 
 
 class TrainerWorker(RankActorBase):
@@ -56,7 +56,7 @@ class TrainerWorker(RankActorBase):
         self.exports = mpu.get_data_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0
         if int(os.environ.get("RANK", "0")) != 0:
             return False
-        from m2po_megatron.cluster import node_ip
+        from m2po_megatron.infra.cluster import node_ip
         from m2po_megatron.rollout.weight_sync import DistributedWeightSync
 
         if self.sync is not None:  # re-forming the group (a server restarted): drop the old one first
@@ -105,7 +105,7 @@ class TrainerWorker(RankActorBase):
 def _comm_device():
     import torch
 
-    from m2po_megatron import device
+    from m2po_megatron.infra import device
 
     return device.device() if device.has_cuda() else torch.device("cpu")
 

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from m2po_megatron.metrics import read_metrics
+from m2po_megatron.run.metrics import read_metrics
 
 __all__ = ["DEFAULT_PANELS", "plot_runs", "read_metrics_file"]
 

@@ -2,7 +2,7 @@
 
 Every process of a run carries `M2PO_RUN_TOKEN` in its environment: the driver sets it before Ray starts,
 and Ray's node processes and agents, the trainer and server actors, the rollout servers and the reward
-workers inherit it. `start` launches a small guardian (`python -m m2po_megatron.reaper`) in its own session
+workers inherit it. `start` launches a small guardian (`python -m m2po_megatron.infra.reaper`) in its own session
 that blocks on a pipe only the driver holds: when the driver exits (normally, by an exception, by SIGKILL)
 the read returns EOF, and the guardian SIGKILLs every process of this user that still carries the token,
 then removes the private Ray temp dir. Without it, Ray's dashboard and runtime-env agents outlive a killed
@@ -146,7 +146,7 @@ class Reaper:
 
     def __init__(self, token: str, tmpdir: Optional[str], delete_tmpdir: bool):
         r, self._w = os.pipe()  # both ends non-inheritable: only the guardian gets the read end
-        cmd = [sys.executable, "-m", "m2po_megatron.reaper", "--token", token, "--fd", str(r),
+        cmd = [sys.executable, "-m", "m2po_megatron.infra.reaper", "--token", token, "--fd", str(r),
                "--driver-pid", str(os.getpid())]
         if tmpdir:
             cmd += ["--tmpdir", tmpdir] + (["--delete"] if delete_tmpdir else [])
@@ -165,7 +165,7 @@ class Reaper:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m m2po_megatron.reaper")
+    p = argparse.ArgumentParser(prog="python -m m2po_megatron.infra.reaper")
     p.add_argument("--token", required=True)
     p.add_argument("--fd", type=int, required=True)
     p.add_argument("--driver-pid", type=int, required=True)

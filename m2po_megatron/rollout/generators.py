@@ -21,7 +21,7 @@ import zlib
 from pathlib import Path
 from typing import Callable, Optional
 
-from m2po_megatron.samples import Group, Sample, sample_ids_for
+from m2po_megatron.rollout.samples import Group, Sample, sample_ids_for
 
 
 class PromptStream:

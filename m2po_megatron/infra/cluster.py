@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from m2po_megatron.net import serve_rendezvous
+from m2po_megatron.infra.net import serve_rendezvous
 
 TRAINER_RESOURCE = "trainer"
 ROLLOUT_RESOURCE = "rollout"
@@ -44,7 +44,7 @@ def init_ray(address: str = "local", *, tmpdir: Optional[str] = None, object_sto
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return {}
-    from m2po_megatron import reaper
+    from m2po_megatron.infra import reaper
 
     global _owned_tmpdir, _reaper
     token = reaper.new_token()  # inherited by every process started from here on (reaper.py)
@@ -77,7 +77,7 @@ def shutdown_ray() -> None:
     if _reaper is not None:  # sweeps what ray.shutdown left (its agents exit late) and waits for that
         _reaper.close()
         _reaper = None
-        from m2po_megatron.reaper import TOKEN_ENV
+        from m2po_megatron.infra.reaper import TOKEN_ENV
 
         os.environ.pop(TOKEN_ENV, None)  # processes started from now on are not this run's
     if _owned_tmpdir is not None:
@@ -196,7 +196,7 @@ class RankActorBase:
         return ip, self._rendezvous.port
 
     def set_dist_env(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
-        from m2po_megatron.device import local_gpu_index
+        from m2po_megatron.infra.device import local_gpu_index
 
         local = local_gpu_index(assigned_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local),

@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SBATCH_SCRIPT = REPO / "slurm" / "m2po.sbatch"
 MANIFEST = "sweep-manifest.json"
 SLURM_KEYS = {"time", "partition", "gpus_per_node", "max_concurrent", "chain", "dependency", "args",
@@ -295,7 +295,7 @@ def submit(sweep_path: str | Path, dry_run: bool = False, out=sys.stdout) -> dic
                     label = f"task {i}" if s.kind == "array" else "run"
                     print(f"    {label}: {rn}: {shlex.join(by_name[rn].argv)}", file=out)
                     if by_name[rn].memory_gib:
-                        from m2po_megatron.memory import format_estimate
+                        from m2po_megatron.models.memory import format_estimate
 
                         print(f"        memory estimate per trainer GPU: {format_estimate(by_name[rn].memory_gib)}",
                               file=out)
@@ -411,7 +411,7 @@ def status(target: str | Path) -> list[dict]:
     manifest = json.loads(find_manifest(target).read_text())
     runs = manifest["runs"]
     if manifest.get("mode") == "local":
-        from m2po_megatron.sweep_local import local_state
+        from m2po_megatron.sweep.local import local_state
 
         return [{"run": r["name"], "job": "local", "state": local_state(Path(r["run_dir"]), int(r["steps"])),
                  "run_dir": r["run_dir"], "steps": r["steps"], "metrics": last_metrics(Path(r["run_dir"]))}
@@ -446,7 +446,7 @@ def format_status(rows: list[dict], keys: Optional[list[str]] = None) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------
-# `python -m m2po_megatron.sweep layout RECIPE [OVERRIDES...]` (used by slurm/m2po.sbatch)
+# `python -m m2po_megatron.sweep.grid layout RECIPE [OVERRIDES...]` (used by slurm/m2po.sbatch)
 # ----------------------------------------------------------------------------------------------------
 def _main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "layout":
@@ -462,7 +462,7 @@ def _main(argv: list[str]) -> int:
             return 2
         print(t, r, d)
         return 0
-    print("usage: python -m m2po_megatron.sweep layout RECIPE [OVERRIDES...]", file=sys.stderr)
+    print("usage: python -m m2po_megatron.sweep.grid layout RECIPE [OVERRIDES...]", file=sys.stderr)
     return 2
 
 

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import yaml
 
-from m2po_megatron.plot import read_metrics_file
+from m2po_megatron.sweep.plot import read_metrics_file
 
 METHOD_NAMES = {"grpo": "GRPO", "grpo_notr": "GRPO (no TR)", "gspo": "GSPO", "m2po": "M2PO"}
 METHOD_ORDER = ["grpo", "grpo_notr", "gspo", "m2po"]
