@@ -1,242 +1,19 @@
-"""The typed schema of a run, recipe loading (YAML with `extends:`), dotted overrides and validation.
-
-A recipe is YAML matching `RunConfig`. `load_config(path, overrides)` merges, in order: the schema's
-defaults, the chain of recipes named by `extends:` (parent first), the recipe itself, then dotted
-command-line overrides (`algo.m2po.tau=0.02`). Everything is validated before any expensive work starts;
-every error names the field and the fix.
+"""Validation of a merged run config: choice and range tables, then cross-field checks (layout, batches,
+model config, context length, files). Every error names the field and the fix; all are reported together.
 """
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf import DictConfig, OmegaConf
 
-RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
-SECRET_MARKERS = ("api_key", "token", "secret", "password")
-
-
-class ConfigError(ValueError):
-    """A recipe or override is wrong; the message names the field and the fix."""
-
-
-# ----------------------------------------------------------------------------------------------------
-# Schema
-# ----------------------------------------------------------------------------------------------------
-@dataclass
-class RunSection:
-    name: str = "run"
-    output_dir: str = "runs"  # the run directory is output_dir/name
-    seed: int = 1234
-    resume: str = "none"  # none | auto | PATH of a checkpoint
-    overwrite: bool = False  # start over in a run directory that holds another run (it is moved aside)
-
-
-@dataclass
-class ModelSection:
-    hf_path: Optional[str] = None  # HF checkpoint dir (config.json + weights); initial weights
-    hf_config: Optional[str] = None  # dir or config.json used for validation when hf_path is absent
-    tokenizer: Optional[str] = None  # defaults to hf_path
-    megatron_ckpt: Optional[str] = None  # initial weights from `m2po convert hf-to-megatron`
-    params_dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16
-    fp8: Optional[str] = None  # null | e4m3 | hybrid (Transformer Engine only)
-    fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise | mxfp8
-    # auto (te where Transformer Engine is usable, else sdpa) | te | sdpa (PyTorch fused attention per packed
-    # sequence) | local (megatron's dense-mask attention: S x S scores per layer; a reference)
-    attention_backend: str = "auto"
-
-
-@dataclass
-class ParallelSection:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    context_parallel_size: int = 1
-    data_parallel_size: int = 1
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = True
-    # Megatron's activation recompute: null | selective (core attention) | full (whole layers)
-    recompute_granularity: Optional[str] = None
-    recompute_method: str = "uniform"  # full only: uniform (chunks of recompute_num_layers) | block
-    recompute_num_layers: int = 1  # full only: layers per chunk (uniform) or per stage (block)
-
-
-@dataclass
-class M2POSection:
-    tau: float = 0.04
-    rule: str = "remove"  # remove (paper Algorithm 1) | cap (released code)
-    scope: str = "global"  # global (whole optimizer mini-batch across DP) | microbatch (released code)
-
-
-@dataclass
-class ClipSection:
-    eps_clip_low: float = 0.2
-    eps_clip_high: float = 0.2
-
-
-@dataclass
-class GSPOSection:
-    eps_clip_low: float = 3e-4
-    eps_clip_high: float = 4e-4
-    loss_agg_mode: str = "seq-mean-token-mean"  # GSPO's own (paper, verl): each sequence weighs the same
-
-
-@dataclass
-class AlgoSection:
-    name: str = "m2po"  # m2po | grpo | grpo_notr | gspo
-    # token-mean | seq-mean-token-mean | seq-mean-token-sum, for m2po, grpo and grpo_notr; gspo reads
-    # algo.gspo.loss_agg_mode, so one recipe can sweep every method with each one's own aggregation
-    loss_agg_mode: str = "token-mean"
-    norm_adv_by_std: bool = True
-    adv_eps: float = 1e-6
-    dual_clip_c: Optional[float] = None  # e.g. 3.0; bounds A<0 tokens with huge ratios, any loss
-    m2po: M2POSection = field(default_factory=M2POSection)
-    grpo: ClipSection = field(default_factory=ClipSection)
-    gspo: GSPOSection = field(default_factory=GSPOSection)
-
-
-@dataclass
-class StalenessSection:
-    mode: str = "bounded"  # on_policy | fixed_lag | bounded
-    lag_steps: int = 0  # fixed_lag: k batches of lag (staleness = k x updates_per_step)
-    max_staleness: int = 4  # bounded: in optimizer updates
-    sync_interval: int = 1  # bounded: push weights every this many updates
-    drop_too_stale: bool = True  # bounded: drop (counted) or keep samples beyond the bound
-    behav_logprob_source: str = "engine"  # engine | trainer (recomputed at generation time)
-
-
-@dataclass
-class RolloutSection:
-    engine: str = "local"  # local (CPU server speaking SGLang's protocol) | sglang
-    urls: list[str] = field(default_factory=list)  # attach to servers started elsewhere
-    num_servers: int = 1
-    host: Optional[str] = None  # default: this node's address (never 0.0.0.0)
-    port: int = 0  # 0: each server gets a free port, bound by the launcher itself (no race); N: server i on N + i
-    api_key: Optional[str] = None  # prefer the M2PO_API_KEY environment variable; never logged
-    tp_size: int = 1  # SGLang --tp-size
-    dp_size: int = 1  # SGLang --dp-size
-    mem_fraction_static: Optional[float] = None  # SGLang --mem-fraction-static
-    context_length: Optional[int] = None
-    dtype: str = "auto"
-    quantization: Optional[str] = None  # e.g. fp8
-    n_samples_per_prompt: int = 8  # GRPO group size
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 2560
-    max_concurrency: int = 64  # requests in flight per server
-    request_timeout_s: float = 600.0
-    max_retries: int = 3
-    max_restarts: int = 2
-    health_timeout_s: float = 600.0
-    pause_mode: str = "retract"  # SGLang /pause_generation mode around each weight update: retract | in_place | abort
-    deterministic_inference: bool = False  # SGLang --enable-deterministic-inference: sampling seeds take effect
-    bucket_mb: int = 512
-
-
-@dataclass
-class DataSection:
-    train_path: Optional[str] = None  # prepared JSONL/parquet (m2po prepare-data)
-    eval_paths: list[str] = field(default_factory=list)
-    # null = the prepared prompt as is; else a preset (m2po, plain) or a format string rendered from each
-    # row's `problem`, for training and evaluation alike
-    prompt_template: Optional[str] = None
-    apply_chat_template: bool = True  # wrap the prompt in the tokenizer's chat template (once)
-    max_prompt_len: int = 1534  # + max_new_tokens + 2 must fit the context (SGLang never fills its last 2)
-    shuffle_seed: int = 42
-
-
-@dataclass
-class RewardSection:
-    format_score: float = 0.0  # paper appendix: 0.1; released code: 0
-    num_workers: int = 4
-    timeout_s: float = 5.0
-
-
-@dataclass
-class TrainSection:
-    steps: int = 1000
-    prompts_per_step: int = 256
-    updates_per_step: int = 4  # optimizer mini-batches per step
-    micro_batch_tokens: int = 30000  # token budget of a packed micro-batch
-
-
-@dataclass
-class OptimSection:
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_schedule: str = "constant"  # constant | cosine
-    warmup_updates: int = 0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-
-
-@dataclass
-class EvalSection:
-    interval: int = 50  # steps; 0 = only before and after training
-    n_samples: int = 4
-    n_samples_overrides: dict[str, int] = field(default_factory=lambda: {"aime24": 16, "aime25": 16})
-    temperature: float = 1.0
-    top_p: float = 0.7
-    max_new_tokens: Optional[int] = None  # default: rollout.max_new_tokens
-
-
-@dataclass
-class CheckpointSection:
-    interval: int = 50  # steps; 0 = only at the end and on SIGTERM
-    keep_last: int = 2
-    save_on_sigterm: bool = True
-    stop_timeout_s: float = 270.0  # after SIGTERM/SIGUSR1: exit without a new checkpoint past this (0 = no limit)
-
-
-@dataclass
-class LoggingSection:
-    wandb_mode: str = "disabled"  # online | offline | disabled (WANDB_MODE overrides)
-    wandb_project: str = "m2po-megatron"
-    wandb_entity: Optional[str] = None
-    console: bool = True
-
-
-@dataclass
-class ClusterSection:
-    ray_address: str = "local"  # local (private Ray on this machine) | auto | HOST:PORT
-    ray_tmpdir: Optional[str] = None
-    object_store_memory_mb: int = 512
-    trainer_nodes: int = 1
-    rollout_nodes: int = 0  # 0 = rollout servers share the trainer's node(s)
-    gpus_per_node: int = 0  # 0 = CPU: one trainer process per rank
-    gpu_memory_gb: Optional[float] = None  # when set, the per-GPU memory estimate must fit
-    timeout_s: float = 3600.0  # longest wait on another process (trainer ranks, servers) before the run stops
-
-
-@dataclass
-class RunConfig:
-    run: RunSection = field(default_factory=RunSection)
-    model: ModelSection = field(default_factory=ModelSection)
-    parallel: ParallelSection = field(default_factory=ParallelSection)
-    algo: AlgoSection = field(default_factory=AlgoSection)
-    staleness: StalenessSection = field(default_factory=StalenessSection)
-    rollout: RolloutSection = field(default_factory=RolloutSection)
-    data: DataSection = field(default_factory=DataSection)
-    reward: RewardSection = field(default_factory=RewardSection)
-    train: TrainSection = field(default_factory=TrainSection)
-    optim: OptimSection = field(default_factory=OptimSection)
-    eval: EvalSection = field(default_factory=EvalSection)
-    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    logging: LoggingSection = field(default_factory=LoggingSection)
-    cluster: ClusterSection = field(default_factory=ClusterSection)
-
+from m2po_megatron.config.paths import resolve_path
+from m2po_megatron.config.schema import ConfigError
 
 CHOICES = {
     "run.resume": None,  # free-form: none | auto | path
@@ -281,202 +58,11 @@ NON_NEGATIVE = [
 ]
 
 
-# ----------------------------------------------------------------------------------------------------
-# Loading
-# ----------------------------------------------------------------------------------------------------
-def _field_paths(node: Any, prefix: str = "") -> list[str]:
-    out = []
-    if dataclasses.is_dataclass(node):
-        for f in dataclasses.fields(node):
-            path = f"{prefix}{f.name}"
-            out.append(path)
-            out.extend(_field_paths(getattr(node, f.name), path + "."))
-    return out
-
-
-ALL_FIELDS = _field_paths(RunConfig())
-
-
-def _suggest(key: str) -> str:
-    close = difflib.get_close_matches(key, ALL_FIELDS, n=1, cutoff=0.6)
-    if not close:  # try the leaf name alone, anywhere in the schema
-        leaf = key.rsplit(".", 1)[-1]
-        leaves = {p.rsplit(".", 1)[-1]: p for p in ALL_FIELDS}
-        m = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.7)
-        close = [leaves[m[0]]] if m else []
-    return f"; did you mean '{close[0]}'?" if close else ""
-
-
-REMOVED = {
-    "rollout.router": "the client balances over the servers itself (weight sync, pause and abort must reach "
-                      "every server anyway), so sglang-router is not used; delete the key",
-    "rollout.update_mode": "SGLang 0.5.23 cannot update weights while requests run (an update waits for every "
-                           "running request; tokens never change version mid-sequence), so every update pauses; "
-                           "use rollout.pause_mode = in_place to keep running requests and continue them with "
-                           "the new weights",
-}
-
-
-def _check_keys(data: Any, schema: Any, prefix: str, source: str) -> None:
-    """Unknown keys fail with the closest valid key (OmegaConf's own message lacks the suggestion)."""
-    if not isinstance(data, dict):
-        return
-    names = {f.name: f for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
-    if names is None:
-        return
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if path in REMOVED:
-            raise ConfigError(f"{source}: '{path}' was removed: {REMOVED[path]}")
-        if key not in names:
-            raise ConfigError(f"{source}: unknown key '{path}'{_suggest(path)}")
-        sub = getattr(schema, key)
-        if dataclasses.is_dataclass(sub):
-            if value is not None and not isinstance(value, dict):
-                raise ConfigError(f"{source}: '{path}' must be a mapping of its fields, got {value!r}")
-            _check_keys(value, sub, path + ".", source)
-
-
-def resolve_recipe_path(ref: str, base_dir: Optional[Path] = None) -> Path:
-    """A recipe reference: a path (absolute, or relative to the referring recipe / cwd) or a recipe name
-    under recipes/ with or without `.yaml`."""
-    cands = []
-    p = Path(ref)
-    if p.is_absolute():
-        cands.append(p)
-    else:
-        if base_dir is not None:
-            cands.append(base_dir / p)
-        cands += [Path.cwd() / p, RECIPES_DIR / p]
-    cands += [c.with_name(c.name + ".yaml") for c in list(cands) if c.suffix != ".yaml"]  # qwen3-1.7b-base
-    for c in cands:
-        if c.is_file():
-            return c.resolve()
-    raise ConfigError(f"recipe '{ref}' not found (looked in {', '.join(str(c) for c in cands[:3])}, ...); "
-                      f"give a path to a YAML file or a name under {RECIPES_DIR}")
-
-
-def _read_recipe_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict]]:
-    if path in seen:
-        chain = " -> ".join(str(p) for p in (*seen, path))
-        raise ConfigError(f"recipe inheritance loop: {chain}; remove one `extends:`")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}")
-    _acyclic(data, str(path))
-    parent = data.pop("extends", None)
-    chain: list[tuple[Path, dict]] = []
-    if parent:
-        parents = parent if isinstance(parent, list) else [parent]
-        for ref in parents:
-            chain += _read_recipe_chain(resolve_recipe_path(str(ref), path.parent), (*seen, path))
-    chain.append((path, data))
-    return chain
-
-
-def _acyclic(value: Any, where: str, seen: tuple = ()) -> None:
-    """YAML anchors can build a list that contains itself (`&a [*a]`); no config value can be one."""
-    if isinstance(value, (list, dict)):
-        if any(value is s for s in seen):
-            raise ConfigError(f"{where}: the value refers to itself (a YAML anchor loop); write it out")
-        for v in value.values() if isinstance(value, dict) else value:
-            _acyclic(v, where, (*seen, value))
-
-
-def _parse_overrides(overrides: list[str]) -> dict:
-    out: dict = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' must look like section.field=value (e.g. algo.m2po.tau=0.02)")
-        key, raw = item.split("=", 1)
-        key = key.strip().lstrip("+")
-        if not key:
-            raise ConfigError(f"override '{item}' has no key")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() != "" else None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override '{item}': the value is not valid YAML ({str(e).splitlines()[0]}); "
-                              f"quote it, e.g. {key}='\"...\"'") from None
-        _acyclic(value, f"override '{item}'")
-        node = out
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override '{item}' conflicts with another override of '{part}'")
-        node[parts[-1]] = value
-    return out
-
-
-def load_config(recipe: Optional[str | Path] = None, overrides: Optional[list[str]] = None,
-                check_files: bool = True) -> DictConfig:
-    """Load, merge and validate a run config. Raises ConfigError naming the field and the fix."""
-    layers: list[tuple[str, dict]] = []
-    if recipe is not None:
-        path = resolve_recipe_path(str(recipe))
-        layers += [(str(p), d) for p, d in _read_recipe_chain(path)]
-    if overrides:
-        layers.append(("command-line override", _parse_overrides(overrides)))
-
-    cfg = OmegaConf.structured(RunConfig)
-    for source, data in layers:
-        _check_keys(data, RunConfig(), "", source)
-        try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.create(data))
-        except ValidationError as e:
-            key = getattr(e, "full_key", None) or "?"
-            first = str(e).strip().splitlines()[0]
-            raise ConfigError(f"{source}: '{key}' has the wrong type: {first}; "
-                              f"expected {_expected_type(key)}") from None
-        except (ConfigKeyError, OmegaConfBaseException, TypeError, ValueError, RecursionError) as e:  # a.list.x=1
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"{source}: cannot apply {_leaves(data)}: {first}; check the keys and the "
-                              f"value types against `m2po config RECIPE`") from None
-    validate(cfg, check_files=check_files)
-    OmegaConf.set_readonly(cfg, True)
-    return cfg
-
-
-def _leaves(data: Any, prefix: str = "") -> str:
-    if isinstance(data, dict):
-        return ", ".join(_leaves(v, f"{prefix}{k}.") for k, v in data.items()) or prefix.rstrip(".")
-    return prefix.rstrip(".")
-
-
-def _expected_type(key: str) -> str:
-    node: Any = RunConfig()
-    fld = None
-    for part in key.split("."):
-        if not dataclasses.is_dataclass(node):
-            break
-        fld = {f.name: f for f in dataclasses.fields(node)}.get(part)
-        if fld is None:
-            break
-        node = getattr(node, part)
-    return str(fld.type) if fld is not None else "the schema's type"
-
-
-# ----------------------------------------------------------------------------------------------------
-# Validation
-# ----------------------------------------------------------------------------------------------------
 def _get(cfg: DictConfig, path: str) -> Any:
     return OmegaConf.select(cfg, path)
 
 
-def resolve_path(ref: str) -> Path:
-    """A user path: as given (absolute or relative to the working directory), else relative to the
-    repository root (recipes name bundled files such as m2po_megatron/assets/configs/... that way)."""
-    p = Path(os.path.expandvars(os.path.expanduser(ref)))
-    if p.is_absolute() or p.exists():
-        return p
-    in_repo = RECIPES_DIR.parent / p
-    return in_repo if in_repo.exists() else p
-
-
-def read_hf_config(cfg: DictConfig, check_files: bool = False) -> Optional[dict]:
+def model_hf_config(cfg: DictConfig, check_files: bool = False) -> Optional[dict]:
     """The model's HF config.json as a dict (from model.hf_config or model.hf_path), or None. With
     check_files, a model.hf_config that is set but missing is an error."""
     for key in ("model.hf_config", "model.hf_path"):
@@ -671,7 +257,7 @@ def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
         errors.append(f"model.hf_path = {cfg.model.hf_path!r} does not exist; "
                       f"{_missing_file_hint(cfg, 'model.hf_path', cfg.model.hf_path, 'HF checkpoint directory')}")
     try:
-        hf = read_hf_config(cfg, check_files)
+        hf = model_hf_config(cfg, check_files)
     except ConfigError as e:
         errors.append(str(e))
         return
@@ -720,7 +306,7 @@ def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
 def estimate_memory(cfg: DictConfig, hf: Optional[dict] = None) -> Optional[dict]:
     """The per-GPU memory estimate of a trainer rank in GiB (m2po_megatron.models.memory), or None when the model's
     config.json is not known. A layout it cannot compute is a ConfigError naming the field."""
-    hf = hf if hf is not None else read_hf_config(cfg)
+    hf = hf if hf is not None else model_hf_config(cfg)
     if hf is None:
         return None
     from m2po_megatron.models.memory import estimate_gpu_memory
@@ -750,9 +336,6 @@ def _gpu_attention_backend(requested: str) -> str:
     return "te" if importlib.util.find_spec("transformer_engine") is not None else "sdpa"
 
 
-# ----------------------------------------------------------------------------------------------------
-# Saving
-# ----------------------------------------------------------------------------------------------------
 def _check_context(cfg: DictConfig, hf: dict, errors: list[str]) -> None:
     """Every prompt up to data.max_prompt_len must get its full max_new_tokens from SGLang: it answers HTTP 400
     when prompt + max_new_tokens exceeds the context length, and never generates into the context's last
@@ -780,45 +363,3 @@ def _check_rollout(cfg: DictConfig, errors: list[str]) -> None:
         errors.append(f"rollout.dp_size = {cfg.rollout.dp_size}: SGLang 0.5.23 updates weights from distributed "
                       "only with dp_size 1; set rollout.dp_size = 1 and rollout.num_servers to the number of "
                       "replicas")
-
-
-def is_secret(key: str) -> bool:
-    """Names of credentials (api_key, wandb_api_key, hf_token, secret, password), not metrics such as
-    `tokens_per_s/gen` or `staleness/token_mean`."""
-    leaf = re.split(r"[./]", key.lower())[-1]
-    return any(leaf == m or leaf.endswith("_" + m) for m in SECRET_MARKERS)
-
-
-def redact(obj: Any) -> Any:
-    """A plain copy with secret-looking fields replaced by '***' (set ones) so they never reach disk/logs."""
-    if isinstance(obj, DictConfig):
-        obj = OmegaConf.to_container(obj, resolve=True)
-    if isinstance(obj, dict):
-        return {k: ("***" if is_secret(str(k)) and v else redact(v)) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [redact(v) for v in obj]
-    return obj
-
-
-def run_dir(cfg: DictConfig) -> Path:
-    return Path(cfg.run.output_dir) / cfg.run.name
-
-
-def save_resolved(cfg: DictConfig, directory: Path) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    out = directory / "config.yaml"
-    out.write_text(yaml.safe_dump(redact(cfg), sort_keys=False))
-    return out
-
-
-def secret(cfg_value: Optional[str], env: str) -> Optional[str]:
-    """A secret from the config or, preferably, the environment."""
-    return os.environ.get(env) or cfg_value
-
-
-def as_plain(cfg: DictConfig) -> dict:
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-
-
-__all__ = ["RunConfig", "ConfigError", "load_config", "validate", "save_resolved", "redact", "run_dir",
-           "read_hf_config", "estimate_memory", "secret", "as_plain", "MISSING"]
