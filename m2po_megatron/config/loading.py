@@ -114,29 +114,27 @@ def _acyclic(value: Any, where: str, seen: tuple = ()) -> None:
             _acyclic(v, where, (*seen, value))
 
 
-def _parse_overrides(overrides: list[str]) -> dict:
-    out: dict = {}
+def parse_overrides(overrides: list[str]) -> dict:
+    """Dotted command-line overrides (`algo.m2po.tau=0.02`, values in YAML, a later one wins) as a nested
+    dict, parsed by OmegaConf's dotlist grammar one item at a time so an error names the item."""
+    conf = OmegaConf.create()
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like section.field=value (e.g. algo.m2po.tau=0.02)")
         key, raw = item.split("=", 1)
-        key = key.strip().lstrip("+")
+        key = key.strip().lstrip("+")  # Hydra's `+key=value` spelling: every key is in the schema anyway
         if not key:
             raise ConfigError(f"override '{item}' has no key")
         try:
-            value = yaml.safe_load(raw) if raw.strip() != "" else None
+            conf.merge_with_dotlist([f"{key}={raw}"])
         except yaml.YAMLError as e:
             raise ConfigError(f"override '{item}': the value is not valid YAML ({str(e).splitlines()[0]}); "
                               f"quote it, e.g. {key}='\"...\"'") from None
-        _acyclic(value, f"override '{item}'")
-        node = out
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override '{item}' conflicts with another override of '{part}'")
-        node[parts[-1]] = value
-    return out
+        except (OmegaConfBaseException, ValueError, TypeError, KeyError, IndexError, RecursionError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"override '{item}': {first}; write it as section.field=value "
+                              f"(e.g. algo.m2po.tau=0.02)") from None
+    return OmegaConf.to_container(conf, resolve=False)  # type: ignore[return-value]
 
 
 def load_config(recipe: Optional[str | Path] = None, overrides: Optional[list[str]] = None,
@@ -147,7 +145,7 @@ def load_config(recipe: Optional[str | Path] = None, overrides: Optional[list[st
         path = resolve_recipe_path(str(recipe))
         layers += [(str(p), d) for p, d in _read_recipe_chain(path)]
     if overrides:
-        layers.append(("command-line override", _parse_overrides(overrides)))
+        layers.append(("command-line override", parse_overrides(overrides)))
 
     cfg = OmegaConf.structured(RunConfig)
     for source, data in layers:

@@ -72,8 +72,10 @@ def model_hf_config(cfg: DictConfig, check_files: bool = False) -> Optional[dict
         p = resolve_path(ref)
         p = p / "config.json" if p.is_dir() or not p.suffix else p
         if p.is_file():
+            from m2po_megatron.models.hf_config import load_hf_config_dict
+
             try:
-                return json.loads(p.read_text())
+                return load_hf_config_dict(p)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{key}: {p} is not valid JSON ({e})") from None
         if key == "model.hf_config" and check_files:
@@ -263,22 +265,17 @@ def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
         return
     if hf is None:
         return
+    from m2po_megatron.models.layout import layout_errors
+
     before = len(errors)
     p = cfg.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     heads = hf.get("num_attention_heads")
-    kv = hf.get("num_key_value_heads") or heads
     layers = hf.get("num_hidden_layers")
-    if heads and heads % tp:
-        errors.append(f"num_attention_heads = {heads} (model config) is not divisible by "
-                      f"parallel.tensor_model_parallel_size = {tp}; use a divisor of {heads}")
-    if kv and kv % tp:
-        errors.append(f"num_key_value_heads = {kv} (model config) is not divisible by "
-                      f"parallel.tensor_model_parallel_size = {tp}; use a divisor of {kv}")
-    vpp = p.virtual_pipeline_model_parallel_size or 1
-    if layers and layers % (pp * vpp):
-        errors.append(f"num_hidden_layers = {layers} (model config) is not divisible by "
-                      f"pipeline_model_parallel_size x virtual stages = {pp} x {vpp}")
+    errors += layout_errors(num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
+                            num_layers=layers, intermediate_size=hf.get("intermediate_size"),
+                            vocab_size=hf.get("vocab_size"), tp=tp, pp=pp,
+                            vpp=p.virtual_pipeline_model_parallel_size, prefix="parallel.")
     per_stage = layers // pp if layers and layers % pp == 0 else None
     if per_stage and p.recompute_granularity == "full":
         n = p.recompute_num_layers
