@@ -36,7 +36,7 @@ CHOICES = {
     "logging.wandb_mode": ("online", "offline", "disabled"),
 }
 
-# field -> (lower bound, inclusive?) ; upper bounds handled in _check_ranges
+# fields that must be > 0 and >= 0; other ranges (top_p, betas, ...) are checked in validate()
 POSITIVE = [
     "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
     "parallel.context_parallel_size", "parallel.data_parallel_size", "parallel.recompute_num_layers",
