@@ -64,7 +64,7 @@ class StalenessController:
         self.groups_per_step = nonneg_int("groups_per_step", groups_per_step, 1)
         self.updates_per_step = nonneg_int("updates_per_step", updates_per_step, 1)
         self.sync_interval = nonneg_int("sync_interval", self.updates_per_step if sync_interval is None
-                                         else sync_interval, 1)
+                                        else sync_interval, 1)
         worst_lag = self.updates_per_step * (math.ceil(self.sync_interval / self.updates_per_step) - 1)
         if worst_lag > self.max_staleness:
             raise ValueError(
