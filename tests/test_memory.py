@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from m2po_megatron.models.memory import (LOGPROB_CHUNK_BYTES, estimate_gpu_memory, load_hf_config, model_shape,
-                                  param_count)
+from m2po_megatron.models.hf_config import load_hf_config_dict
+from m2po_megatron.models.memory import LOGPROB_CHUNK_BYTES, estimate_gpu_memory, model_shape, param_count
 
 CONFIGS = Path(__file__).resolve().parents[1] / "m2po_megatron" / "assets" / "configs"
 # published sizes (billions), two decimals
@@ -22,29 +22,29 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_param_count_matches_the_published_size(name):
-    assert round(param_count(load_hf_config(CONFIGS / name)) / 1e9, 2) == PUBLISHED[name]
+    assert round(param_count(load_hf_config_dict(CONFIGS / name)) / 1e9, 2) == PUBLISHED[name]
 
 
 def test_bundled_configs_equal_the_shared_copies(shared_dir):
     for name in PUBLISHED:
-        assert load_hf_config(CONFIGS / name) == load_hf_config(shared_dir / "data" / "configs" / name)
+        assert load_hf_config_dict(CONFIGS / name) == load_hf_config_dict(shared_dir / "data" / "configs" / name)
 
 
 def test_shape_reads_qwen2_bias_and_qwen3_qk_norm():
-    q2 = model_shape(load_hf_config(CONFIGS / "Qwen__Qwen2.5-32B"))
-    q3 = model_shape(load_hf_config(CONFIGS / "Qwen__Qwen3-8B-Base"))
-    llama = model_shape(load_hf_config(CONFIGS / "meta-llama__Llama-3.2-3B-Instruct"))
+    q2 = model_shape(load_hf_config_dict(CONFIGS / "Qwen__Qwen2.5-32B"))
+    q3 = model_shape(load_hf_config_dict(CONFIGS / "Qwen__Qwen3-8B-Base"))
+    llama = model_shape(load_hf_config_dict(CONFIGS / "meta-llama__Llama-3.2-3B-Instruct"))
     assert (q2.qkv_bias, q2.qk_norm, q2.head_dim) == (True, False, 128)
     assert (q3.qkv_bias, q3.qk_norm, q3.head_dim) == (False, True, 128)
     assert (llama.qkv_bias, llama.tied, llama.kv_heads) == (False, True, 8)
 
 
 def _est(name, **kw):
-    return estimate_gpu_memory(load_hf_config(CONFIGS / name), **kw)
+    return estimate_gpu_memory(load_hf_config_dict(CONFIGS / name), **kw)
 
 
 def test_no_parallelism_is_the_textbook_18_bytes_per_param():
-    cfg = load_hf_config(CONFIGS / "Qwen__Qwen3-1.7B-Base")
+    cfg = load_hf_config_dict(CONFIGS / "Qwen__Qwen3-1.7B-Base")
     e = estimate_gpu_memory(cfg, micro_batch_tokens=1, use_distributed_optimizer=False)
     n = param_count(cfg)
     assert (e["weights"] + e["grads"] + e["optimizer"]) * 1024**3 == pytest.approx(18 * n, rel=1e-9)
@@ -78,7 +78,7 @@ def test_each_attention_backend_as_built():
     """sdpa keeps its concatenated output as a tensor of its own (one q-sized tensor per layer and token more
     than TE's fused attention); the dense local path keeps heads x row fp32 + bf16 scores per token and layer,
     so its activations grow with the square of the row; TE brings its fused Adam (no foreach temporary)."""
-    cfg = load_hf_config(CONFIGS / "Qwen__Qwen3-1.7B-Base")
+    cfg = load_hf_config_dict(CONFIGS / "Qwen__Qwen3-1.7B-Base")
     s = model_shape(cfg)
     est = {b: estimate_gpu_memory(cfg, micro_batch_tokens=4096, attention_backend=b) for b in ("te", "sdpa", "local")}
     per_token_layer = 1024**3 / (4096 * s.layers)

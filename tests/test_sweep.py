@@ -53,11 +53,11 @@ def test_table1_validates_and_groups_runs_by_node_count():
 
 @pytest.mark.parametrize("recipe", MODELS, ids=[p.stem for p in MODELS])
 def test_paper_recipe_fits_80gb_per_gpu(recipe):
-    from m2po_megatron.config import load_config, read_hf_config
+    from m2po_megatron.config import load_config, model_hf_config
     from m2po_megatron.models.memory import estimate_gpu_memory
 
     cfg = load_config(recipe, check_files=False)  # the weights are not on this machine
-    hf = read_hf_config(cfg)
+    hf = model_hf_config(cfg)
     assert hf is not None, "model.hf_config must point at the bundled config.json"
     p = cfg.parallel
     est = estimate_gpu_memory(hf, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,

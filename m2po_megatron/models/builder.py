@@ -10,6 +10,7 @@ from typing import Any
 
 from m2po_megatron.infra.device import has_cuda
 from m2po_megatron.models.hf_config import HFModelSpec, UnsupportedModelError, read_hf_config
+from m2po_megatron.models.layout import validate_layout
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
@@ -96,19 +97,6 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype=None, tensor_mode
     if kwargs["fp8"] is None:
         kwargs.pop("fp8_recipe")
     return TransformerConfig(**kwargs)
-
-
-def validate_layout(spec: HFModelSpec, tp: int, pp: int, vpp: int | None = None) -> None:
-    """Clear errors for parallel sizes the model cannot be split into."""
-    for what, n in (("num_attention_heads", spec.num_attention_heads),
-                    ("num_key_value_heads", spec.num_key_value_heads),
-                    ("intermediate_size", spec.intermediate_size), ("vocab_size", spec.vocab_size)):
-        if n % tp:
-            raise ValueError(f"{what}={n} is not divisible by tensor_model_parallel_size={tp}")
-    stages = pp * (vpp or 1)
-    if spec.num_layers % stages:
-        raise ValueError(f"num_hidden_layers={spec.num_layers} is not divisible by pipeline_model_parallel_size"
-                         f" * virtual_pipeline_model_parallel_size = {stages}")
 
 
 ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local")

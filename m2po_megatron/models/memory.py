@@ -21,9 +21,7 @@ peak (torch.cuda.max_memory_allocated) for the backend that ran; the gpu test ch
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 GiB = 1024**3
@@ -276,14 +274,6 @@ def estimate_gpu_memory(
                     + max(out["activations"] + out["logits"], out["optimizer_step"]))
     out["params_per_gpu_billion"] = p_rank / 1e9
     return out
-
-
-def load_hf_config(path: str | Path) -> dict:
-    """config.json (or a directory holding it) as a dict."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    return json.loads(p.read_text())
 
 
 def format_estimate(est: dict[str, float]) -> str:

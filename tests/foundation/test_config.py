@@ -230,3 +230,34 @@ def test_config_prints_the_memory_estimate_and_takes_overrides_after_options():
     p = subprocess.run([sys.executable, "-m", "m2po_megatron.cli", "config", "tiny-cpu", "--bogus", "train.steps=3"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "unrecognized arguments: --bogus" in p.stderr
+
+
+def test_layout_check_is_the_builders(tmp_path):
+    """The config refuses every split the model builder refuses (one check, m2po_megatron.models.layout), with
+    the same message naming the config field, before anything starts."""
+    from m2po_megatron.models import read_hf_config, validate_layout
+
+    config = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 385}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    msg = err(tmp_path, [f"model.hf_config={tmp_path}", "parallel.tensor_model_parallel_size=2"])
+    assert "vocab_size = 385 (model config) is not divisible by parallel.tensor_model_parallel_size = 2" in msg
+    with pytest.raises(ValueError, match="vocab_size = 385 .* not divisible by tensor_model_parallel_size = 2"):
+        validate_layout(read_hf_config(config), 2, 1)
+    ok = load_config(None, [f"model.hf_config={tmp_path}", "parallel.tensor_model_parallel_size=1"])
+    validate_layout(read_hf_config(config), ok.parallel.tensor_model_parallel_size, 1)  # both accept TP 1
+
+
+def test_overrides_follow_omegaconf_dotlist_and_name_the_bad_item():
+    """Overrides are parsed by OmegaConf's dotlist grammar (a later override of a key wins); a bad one names
+    the item and the fix."""
+    cfg = load_config(None, ["train.steps=5", "train.steps=7", "+algo.m2po.tau=0.5", "algo.m2po={rule: cap}",
+                             "run.name=2026-12-01", "data.eval_paths=[a.jsonl, b.jsonl]"], check_files=False)
+    assert cfg.train.steps == 7 and cfg.algo.m2po.rule == "cap" and cfg.run.name == "2026-12-01"
+    assert cfg.algo.m2po.tau == 0.5  # a section override merges with an earlier override of one of its fields
+    assert list(cfg.data.eval_paths) == ["a.jsonl", "b.jsonl"]
+    assert "must look like section.field=value" in err(None, ["train.steps"])
+    assert "has no key" in err(None, ["=3"])
+    assert "not valid YAML" in err(None, ["train.steps=["])
+    assert "unknown key 'algo.m2po.tua'; did you mean 'algo.m2po.tau'?" in err(None, ["algo.m2po.tua=1"])
+    assert "'train.steps' has the wrong type" in err(None, ["train.steps=abc"])

@@ -1,80 +1,18 @@
-"""Staleness: model versions, admission control, the paper's fixed-lag queue, and the sample ledger.
-
-Pure Python: this module sees ids, versions and counts, never tensors.
-
-A *version* is the number of optimizer updates applied so far. A training step applies
-`updates_per_step` updates (the optimizer mini-batches of one step) and consumes `groups_per_step`
-prompt groups. The *staleness* of a sample is measured when its step begins:
-
-    staleness = (trainer version at the start of the consuming step) - (version that generated it)
-
-so the m-th mini-batch of a step (m = 0 .. updates_per_step-1) sees staleness + m. This is the paper's
-convention: lag k = 64 batches with 4 updates per step is "s = 256" (256-259 counting within-step
-updates). For a sample whose tokens span versions (partial rollouts, in-flight weight updates) the
-generating version is the oldest token's.
-
-Three pieces:
-- `StalenessController`: `bounded` (asynchronous) mode; admission control so that nothing is generated
-  that could not be trained within `max_staleness` updates.
-- `FixedLagQueue`: `fixed_lag` mode, the released M2PO code's simulation (a FIFO of k finished batches).
-- `SampleLedger`: every sample ends consumed, dropped (with a reason) or is still pending; the identity
-  generated = consumed + dropped + pending is checked every step.
-On-policy training is `FixedLagQueue(0)` or `StalenessController(max_staleness=0, ...)`.
-"""
+"""Bounded (asynchronous) mode: admission control so that nothing is generated that could not be trained
+within `max_staleness` optimizer updates (versions and the staleness convention: see the package docstring)."""
 from __future__ import annotations
 
 import math
-from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from collections import Counter
+from typing import Any, Iterable, Optional, Sequence
 
-__all__ = [
-    "DROP_REASONS",
-    "FixedLagQueue",
-    "LedgerError",
-    "QueuedBatch",
-    "SampleLedger",
-    "StalenessBoundError",
-    "StalenessController",
-]
-
-GroupId = Union[int, str]
-SampleId = Union[int, str]
-
-# Why a sample can end without being trained on. Every drop names one of these, so the counters add up.
-DROP_REASONS = (
-    "too_stale",  # would exceed max_staleness when trained (only if the loop lets it get that far)
-    "aborted",  # generation aborted (server error, shutdown, weight update with retraction)
-    "filtered",  # removed by a data filter, e.g. a group whose rewards are all equal (zero advantage)
-    "overlong",  # response hit the length limit and the recipe discards such samples
-    "error",  # reward or parsing failed
-    "interrupted",  # in flight when the run stopped; regenerated after resume under a new id
-)
+from m2po_megatron.staleness.ids import GroupId, check_id, nonneg_int
 
 
 class StalenessBoundError(RuntimeError):
     """A sample would be trained beyond max_staleness, or the controller's versions are inconsistent."""
 
 
-class LedgerError(RuntimeError):
-    """An illegal sample transition, or the ledger identity generated = consumed + dropped + pending broke."""
-
-
-def _check_id(kind: str, x: Any) -> None:
-    # ids go into JSON checkpoints: keep them to ints and strings (bool is an int, but surely a bug).
-    if isinstance(x, bool) or not isinstance(x, (int, str)):
-        raise TypeError(f"{kind} id {x!r} has type {type(x).__name__}; ids must be int or str")
-
-
-def _nonneg_int(name: str, x: Any, minimum: int = 0) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < minimum:
-        raise ValueError(f"{name} = {x!r}: must be an integer >= {minimum}")
-    return x
-
-
-# ----------------------------------------------------------------------------------------------------
-# Bounded (asynchronous) mode
-# ----------------------------------------------------------------------------------------------------
 class StalenessController:
     """Admission control for asynchronous training with staleness at most `max_staleness` updates.
 
@@ -122,11 +60,11 @@ class StalenessController:
     def __init__(self, max_staleness: int, groups_per_step: int, updates_per_step: int = 1,
                  sync_interval: Optional[int] = None, version: int = 0,
                  server_version: Optional[int] = None):
-        self.max_staleness = _nonneg_int("max_staleness", max_staleness)
-        self.groups_per_step = _nonneg_int("groups_per_step", groups_per_step, 1)
-        self.updates_per_step = _nonneg_int("updates_per_step", updates_per_step, 1)
-        self.sync_interval = _nonneg_int("sync_interval", self.updates_per_step if sync_interval is None
-                                         else sync_interval, 1)
+        self.max_staleness = nonneg_int("max_staleness", max_staleness)
+        self.groups_per_step = nonneg_int("groups_per_step", groups_per_step, 1)
+        self.updates_per_step = nonneg_int("updates_per_step", updates_per_step, 1)
+        self.sync_interval = nonneg_int("sync_interval", self.updates_per_step if sync_interval is None
+                                        else sync_interval, 1)
         worst_lag = self.updates_per_step * (math.ceil(self.sync_interval / self.updates_per_step) - 1)
         if worst_lag > self.max_staleness:
             raise ValueError(
@@ -134,9 +72,9 @@ class StalenessController:
                 f"servers lag {worst_lag} updates behind the trainer at a step boundary, more than "
                 f"max_staleness = {self.max_staleness}: nothing could be admitted then. Use sync_interval <= "
                 f"{self.updates_per_step * (self.max_staleness // self.updates_per_step + 1)}")
-        self._version = _nonneg_int("version", version)
+        self._version = nonneg_int("version", version)
         self._trainer_version = self._version
-        sv = self._version if server_version is None else _nonneg_int("server_version", server_version)
+        sv = self._version if server_version is None else nonneg_int("server_version", server_version)
         if sv > self._version:
             raise ValueError(f"server_version = {sv} is ahead of the trainer version {self._version}")
         self._server_version = sv
@@ -224,7 +162,7 @@ class StalenessController:
         generating exactly those (with the servers' current weights or newer)."""
         group_ids = list(group_ids)
         for g in group_ids:
-            _check_id("group", g)
+            check_id("group", g)
             if g in self._running or g in self._finished:
                 raise ValueError(f"group {g!r} is already admitted")
         if len(set(group_ids)) != len(group_ids):
@@ -242,7 +180,7 @@ class StalenessController:
         if group_id not in self._running:
             where = "already generated" if group_id in self._finished else "not admitted"
             raise ValueError(f"on_generated: group {group_id!r} is {where}")
-        version = _nonneg_int("version", version)
+        version = nonneg_int("version", version)
         admitted_at = self._running[group_id]
         if version < admitted_at:
             raise StalenessBoundError(
@@ -280,7 +218,7 @@ class StalenessController:
         (completion order among equals). None means wait: too few finished groups, or a running group
         must be in this batch to keep every later deadline. `finished` restricts the choice (e.g. to
         groups already scored)."""
-        n = self.groups_per_step if n is None else _nonneg_int("n", n, 1)
+        n = self.groups_per_step if n is None else nonneg_int("n", n, 1)
         late = self.overdue()
         if late:
             raise StalenessBoundError(
@@ -307,7 +245,7 @@ class StalenessController:
     def on_consumed(self, group_ids: Sequence[GroupId], updates: Optional[int] = None) -> list[int]:
         """The groups form the batch of one step, which will apply `updates` (default updates_per_step)
         updates. Returns each group's staleness; raises StalenessBoundError beyond max_staleness."""
-        updates = self.updates_per_step if updates is None else _nonneg_int("updates", updates, 1)
+        updates = self.updates_per_step if updates is None else nonneg_int("updates", updates, 1)
         group_ids = list(group_ids)
         if len(set(group_ids)) != len(group_ids):
             raise ValueError("on_consumed got duplicate group ids")
@@ -335,7 +273,7 @@ class StalenessController:
         """The trainer finished a step and is now at `version` updates. `updates`: how many it really
         applied, when fewer than on_consumed announced (0 when every sample of the batch was dropped);
         the controller then takes back the updates that did not happen, so V stays the trainer's count."""
-        version = _nonneg_int("version", version)
+        version = nonneg_int("version", version)
         if updates is not None:
             announced = self._step_updates
             if not 0 <= updates <= announced:
@@ -350,7 +288,7 @@ class StalenessController:
 
     def on_sync(self, version: int) -> None:
         """The servers now generate with weights `version` (the minimum over servers)."""
-        version = _nonneg_int("version", version)
+        version = nonneg_int("version", version)
         if version < self._server_version or version > self._trainer_version:
             raise StalenessBoundError(f"on_sync({version}): server versions only grow (was "
                                       f"{self._server_version}) and cannot pass the trainer "
@@ -383,240 +321,3 @@ class StalenessController:
         self._bases = Counter(list(self._running.values()) + list(self._finished.values()))
         for k in ("admitted", "consumed", "dropped", "steps"):
             setattr(self, k, state[k])
-
-
-# ----------------------------------------------------------------------------------------------------
-# Fixed-lag (simulated) mode
-# ----------------------------------------------------------------------------------------------------
-@dataclass
-class QueuedBatch:
-    payload: Any  # opaque to this module: the caller's batch, or a path to where it was saved
-    version: int  # weights it was generated with
-    index: int  # generation iteration (0, 1, 2, ...)
-
-
-class FixedLagQueue:
-    """The released M2PO code's staleness simulation, `stale_iteration` = k batches of lag.
-
-    The released trainer (verl fork, `RayPPOTrainer.fit`) is synchronous: every iteration draws the
-    next prompt batch, generates it with the current weights, recomputes behaviour log-probs and appends
-    the batch to a FIFO list. If the list then holds more than k batches it pops the oldest and trains
-    on it (reward and advantages are computed after the pop); otherwise the iteration only generates
-    and `continue`s (the step counter does not advance). So the first k iterations are warm-up: they
-    only generate, with the base weights.
-
-    Consequences, with U updates per step and training step j = 0, 1, ... (iteration k + j): batch i is
-    generated at version max(0, i - k) * U; step j trains batch j at version j * U, so its staleness is
-    min(j, k) * U: the first k steps train on base-model data with staleness 0, U, ..., (k-1) U, and
-    every later step has exactly k * U (plus the within-step offset m for its m-th mini-batch). Equivalently,
-    the batch trained at step j >= k was generated with the weights after step j - 1 - k. k = 0 is
-    on-policy. The released code saves the queue with each checkpoint (and, during warm-up, every 20
-    queued batches) and reloads it on resume.
-
-    Use: `batch = q.step(payload, version)` once per iteration; train on `batch.payload` if not None.
-    """
-
-    def __init__(self, lag_steps: int, updates_per_step: int = 1):
-        self.lag_steps = _nonneg_int("lag_steps", lag_steps)
-        self.updates_per_step = _nonneg_int("updates_per_step", updates_per_step, 1)
-        self._queue: deque[QueuedBatch] = deque()
-        self._pushed = 0
-        self._last_version = -1
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    @property
-    def warming_up(self) -> bool:
-        """True while the queue does not yet hold k batches (the next push will not release one)."""
-        return len(self._queue) < self.lag_steps
-
-    def push(self, payload: Any, version: int) -> None:
-        """Enqueue a batch just generated with weights `version`."""
-        version = _nonneg_int("version", version)
-        if version < self._last_version:
-            raise ValueError(f"push: version {version} is older than the previous batch's "
-                             f"{self._last_version}; batches must be pushed in generation order")
-        self._queue.append(QueuedBatch(payload, version, self._pushed))
-        self._pushed += 1
-        self._last_version = version
-
-    def pop(self) -> Optional[QueuedBatch]:
-        """The oldest batch if more than k are queued, else None (this iteration only generates)."""
-        return self._queue.popleft() if len(self._queue) > self.lag_steps else None
-
-    def step(self, payload: Any, version: int) -> Optional[QueuedBatch]:
-        """One iteration of the released loop: enqueue the new batch, then pop the one to train on."""
-        self.push(payload, version)
-        return self.pop()
-
-    def state_dict(self, encode: Callable[[Any], Any] = lambda p: p) -> dict[str, Any]:
-        """The queue with each payload passed through `encode` (e.g. save it and return the file path);
-        the result must be JSON-serialisable for `run_state.save_run_state`."""
-        return {"lag_steps": self.lag_steps, "pushed": self._pushed, "last_version": self._last_version,
-                "queue": [{"payload": encode(b.payload), "version": b.version, "index": b.index}
-                          for b in self._queue]}
-
-    def load_state_dict(self, state: dict[str, Any], decode: Callable[[Any], Any] = lambda s: s) -> None:
-        """Restore the queue; `decode` inverts the `encode` given to state_dict. The queue length may
-        exceed a smaller new lag_steps: the extra batches then come out one per iteration as usual
-        (the queue never shrinks by more than one per step), so staleness settles over a few steps."""
-        self._queue = deque(QueuedBatch(decode(b["payload"]), b["version"], b["index"]) for b in state["queue"])
-        self._pushed = state["pushed"]
-        self._last_version = state["last_version"]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Sample ledger
-# ----------------------------------------------------------------------------------------------------
-_CONSUMED = "consumed"
-
-
-class SampleLedger:
-    """Every generated sample ends in exactly one state: consumed (at a step, with a staleness), dropped
-    (with a reason from DROP_REASONS) or pending (in flight or buffered).
-
-    `end_step()` checks generated = consumed + dropped + pending (optionally against the number of
-    samples the loop really holds) and returns the step's counters and staleness statistics. Terminal
-    states are remembered for the last `history` samples so that double consumption or dropping a
-    consumed sample raises; older ids are forgotten (they then raise as unknown).
-    """
-
-    def __init__(self, history: int = 200_000):
-        self.history = _nonneg_int("history", history)
-        self._pending: dict[SampleId, None] = {}
-        self._done: OrderedDict[SampleId, str] = OrderedDict()  # id -> "consumed" | drop reason
-        self.generated = 0
-        self.consumed = 0
-        self.dropped: Counter[str] = Counter()
-        self._step_stale: list[int] = []  # per-sample staleness of samples consumed since end_step
-        self._step_tokens = [0, 0]  # sum of per-token staleness, token count (when given per token)
-
-    @property
-    def pending(self) -> int:
-        return len(self._pending)
-
-    def is_pending(self, sample_id: SampleId) -> bool:
-        return sample_id in self._pending
-
-    def _state_of(self, sid: SampleId) -> str:
-        if sid in self._pending:
-            return "pending"
-        if sid in self._done:
-            s = self._done[sid]
-            return "consumed" if s == _CONSUMED else f"dropped ({s})"
-        return "unknown"
-
-    def _require_pending(self, op: str, ids: Sequence[SampleId]) -> None:
-        if len(set(ids)) != len(ids):
-            raise LedgerError(f"{op}: duplicate sample ids in one call")
-        bad = [(s, self._state_of(s)) for s in ids if s not in self._pending]
-        if bad:
-            s, st = bad[0]
-            raise LedgerError(f"{op}: sample {s!r} is {st}, not pending ({len(bad)} such id(s)); "
-                              f"a sample is generated once and then consumed or dropped once")
-
-    def add(self, sample_ids: Iterable[SampleId]) -> None:
-        """New samples exist (generation started or finished): they are pending."""
-        ids = list(sample_ids)
-        for s in ids:
-            _check_id("sample", s)
-        if len(set(ids)) != len(ids):
-            raise LedgerError("add: duplicate sample ids in one call")
-        seen = [s for s in ids if s in self._pending or s in self._done]
-        if seen:
-            raise LedgerError(f"add: sample {seen[0]!r} already exists ({self._state_of(seen[0])}); ids must be unique")
-        for s in ids:
-            self._pending[s] = None
-        self.generated += len(ids)
-
-    def _finish(self, sid: SampleId, state: str) -> None:
-        del self._pending[sid]
-        self._done[sid] = state
-        while len(self._done) > self.history:
-            self._done.popitem(last=False)
-
-    def consume(self, sample_ids: Sequence[SampleId], version: int,
-                behaviour_versions: Sequence[Union[int, Sequence[int]]]) -> list[int]:
-        """The samples are trained on in a step starting at trainer `version`. `behaviour_versions[i]` is
-        the version that generated sample i: one int, or one int per token (partial rollouts). Returns
-        per-sample staleness (oldest token)."""
-        ids = list(sample_ids)
-        if len(behaviour_versions) != len(ids):
-            raise LedgerError(f"consume: {len(ids)} sample ids but {len(behaviour_versions)} behaviour_versions")
-        self._require_pending("consume", ids)
-        stale, tok_sum, tok_n = [], 0, 0
-        for sid, bv in zip(ids, behaviour_versions):
-            per_token = not isinstance(bv, int)
-            vs = list(bv) if per_token else [bv]
-            if not vs:
-                raise LedgerError(f"consume: sample {sid!r} has an empty per-token version list")
-            if max(vs) > version or min(vs) < 0:
-                raise LedgerError(f"consume: sample {sid!r} has behaviour version(s) {min(vs)}..{max(vs)} "
-                                  f"outside 0..{version} (the trainer version)")
-            stale.append(version - min(vs))
-            if per_token:
-                tok_sum += sum(version - v for v in vs)
-                tok_n += len(vs)
-        for sid in ids:
-            self._finish(sid, _CONSUMED)
-        self.consumed += len(ids)
-        self._step_stale += stale
-        self._step_tokens[0] += tok_sum
-        self._step_tokens[1] += tok_n
-        return stale
-
-    def drop(self, sample_ids: Sequence[SampleId], reason: str) -> None:
-        if reason not in DROP_REASONS:
-            raise LedgerError(f"drop: reason {reason!r} is not one of {DROP_REASONS}")
-        ids = list(sample_ids)
-        self._require_pending("drop", ids)
-        for sid in ids:
-            self._finish(sid, reason)
-        self.dropped[reason] += len(ids)
-
-    def check(self, pending: Optional[int] = None) -> None:
-        """Raise LedgerError unless generated = consumed + dropped + pending; `pending`, if given, is the
-        number of samples the caller really holds (in flight + buffered) and must match too."""
-        d = sum(self.dropped.values())
-        if self.generated != self.consumed + d + len(self._pending):
-            raise LedgerError(f"sample ledger broken: generated {self.generated} != consumed {self.consumed} + "
-                              f"dropped {d} + pending {len(self._pending)}")
-        if pending is not None and pending != len(self._pending):
-            raise LedgerError(f"sample ledger: the loop holds {pending} samples in flight or buffered but the "
-                              f"ledger has {len(self._pending)} pending; some sample was lost or not recorded")
-
-    def counters(self) -> dict[str, float]:
-        out = {"samples/generated": self.generated, "samples/consumed": self.consumed,
-               "samples/dropped": sum(self.dropped.values()), "samples/pending": len(self._pending)}
-        for r in DROP_REASONS:
-            out[f"samples/dropped/{r}"] = self.dropped.get(r, 0)
-        return out
-
-    def end_step(self, pending: Optional[int] = None) -> dict[str, float]:
-        """Check the identity, return counters plus staleness stats of the samples consumed since the last
-        end_step (`staleness/token_mean` only when per-token versions were given), and reset the latter."""
-        self.check(pending)
-        out = self.counters()
-        if self._step_stale:
-            out["staleness/mean"] = sum(self._step_stale) / len(self._step_stale)
-            out["staleness/max"] = max(self._step_stale)
-            out["staleness/min"] = min(self._step_stale)
-        if self._step_tokens[1]:
-            out["staleness/token_mean"] = self._step_tokens[0] / self._step_tokens[1]
-        self._step_stale, self._step_tokens = [], [0, 0]
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"history": self.history, "pending": list(self._pending),
-                "done": [[s, st] for s, st in self._done.items()], "generated": self.generated,
-                "consumed": self.consumed, "dropped": dict(self.dropped)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore; raises LedgerError if the restored counters do not add up (a corrupt state)."""
-        self._pending = dict.fromkeys(state["pending"])
-        self._done = OrderedDict((s, st) for s, st in state["done"])
-        self.generated, self.consumed = state["generated"], state["consumed"]
-        self.dropped = Counter(state["dropped"])
-        self._step_stale, self._step_tokens = [], [0, 0]
-        self.check()

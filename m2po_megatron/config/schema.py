@@ -1,0 +1,248 @@
+"""The typed schema of a run: one dataclass per recipe section, `RunConfig` holding them all.
+
+A recipe is YAML matching `RunConfig`; comments give each field's choices and units. Loading (loading.py)
+and the checks (validation.py) read these dataclasses; nothing here touches files.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """A recipe or override is wrong; the message names the field and the fix."""
+
+
+@dataclass
+class RunSection:
+    name: str = "run"
+    output_dir: str = "runs"  # the run directory is output_dir/name
+    seed: int = 1234
+    resume: str = "none"  # none | auto | PATH of a checkpoint
+    overwrite: bool = False  # start over in a run directory that holds another run (it is moved aside)
+
+
+@dataclass
+class ModelSection:
+    hf_path: Optional[str] = None  # HF checkpoint dir (config.json + weights); initial weights
+    hf_config: Optional[str] = None  # dir or config.json used for validation when hf_path is absent
+    tokenizer: Optional[str] = None  # defaults to hf_path
+    megatron_ckpt: Optional[str] = None  # initial weights from `m2po convert hf-to-megatron`
+    params_dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16
+    fp8: Optional[str] = None  # null | e4m3 | hybrid (Transformer Engine only)
+    fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise | mxfp8
+    # auto (te where Transformer Engine is usable, else sdpa) | te | sdpa (PyTorch fused attention per packed
+    # sequence) | local (megatron's dense-mask attention: S x S scores per layer; a reference)
+    attention_backend: str = "auto"
+
+
+@dataclass
+class ParallelSection:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    data_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    # Megatron's activation recompute: null | selective (core attention) | full (whole layers)
+    recompute_granularity: Optional[str] = None
+    recompute_method: str = "uniform"  # full only: uniform (chunks of recompute_num_layers) | block
+    recompute_num_layers: int = 1  # full only: layers per chunk (uniform) or per stage (block)
+
+
+@dataclass
+class M2POSection:
+    tau: float = 0.04
+    rule: str = "remove"  # remove (paper Algorithm 1) | cap (released code)
+    scope: str = "global"  # global (whole optimizer mini-batch across DP) | microbatch (released code)
+
+
+@dataclass
+class ClipSection:
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.2
+
+
+@dataclass
+class GSPOSection:
+    eps_clip_low: float = 3e-4
+    eps_clip_high: float = 4e-4
+    loss_agg_mode: str = "seq-mean-token-mean"  # GSPO's own (paper, verl): each sequence weighs the same
+
+
+@dataclass
+class AlgoSection:
+    name: str = "m2po"  # m2po | grpo | grpo_notr | gspo
+    # token-mean | seq-mean-token-mean | seq-mean-token-sum, for m2po, grpo and grpo_notr; gspo reads
+    # algo.gspo.loss_agg_mode, so one recipe can sweep every method with each one's own aggregation
+    loss_agg_mode: str = "token-mean"
+    norm_adv_by_std: bool = True
+    adv_eps: float = 1e-6
+    dual_clip_c: Optional[float] = None  # e.g. 3.0; bounds A<0 tokens with huge ratios, any loss
+    m2po: M2POSection = field(default_factory=M2POSection)
+    grpo: ClipSection = field(default_factory=ClipSection)
+    gspo: GSPOSection = field(default_factory=GSPOSection)
+
+
+@dataclass
+class StalenessSection:
+    mode: str = "bounded"  # on_policy | fixed_lag | bounded
+    lag_steps: int = 0  # fixed_lag: k batches of lag (staleness = k x updates_per_step)
+    max_staleness: int = 4  # bounded: in optimizer updates
+    sync_interval: int = 1  # bounded: push weights every this many updates
+    drop_too_stale: bool = True  # bounded: drop (counted) or keep samples beyond the bound
+    behav_logprob_source: str = "engine"  # engine | trainer (recomputed at generation time)
+
+
+@dataclass
+class RolloutSection:
+    engine: str = "local"  # local (CPU server speaking SGLang's protocol) | sglang
+    urls: list[str] = field(default_factory=list)  # attach to servers started elsewhere
+    num_servers: int = 1
+    host: Optional[str] = None  # default: this node's address (never 0.0.0.0)
+    port: int = 0  # 0: each server gets a free port, bound by the launcher itself (no race); N: server i on N + i
+    api_key: Optional[str] = None  # prefer the M2PO_API_KEY environment variable; never logged
+    tp_size: int = 1  # SGLang --tp-size
+    dp_size: int = 1  # SGLang --dp-size
+    mem_fraction_static: Optional[float] = None  # SGLang --mem-fraction-static
+    context_length: Optional[int] = None
+    dtype: str = "auto"
+    quantization: Optional[str] = None  # e.g. fp8
+    n_samples_per_prompt: int = 8  # GRPO group size
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 2560
+    max_concurrency: int = 64  # requests in flight per server
+    request_timeout_s: float = 600.0
+    max_retries: int = 3
+    max_restarts: int = 2
+    health_timeout_s: float = 600.0
+    pause_mode: str = "retract"  # SGLang /pause_generation mode around each weight update: retract | in_place | abort
+    deterministic_inference: bool = False  # SGLang --enable-deterministic-inference: sampling seeds take effect
+    bucket_mb: int = 512
+
+
+@dataclass
+class DataSection:
+    train_path: Optional[str] = None  # prepared JSONL/parquet (m2po prepare-data)
+    eval_paths: list[str] = field(default_factory=list)
+    # null = the prepared prompt as is; else a preset (m2po, plain) or a format string rendered from each
+    # row's `problem`, for training and evaluation alike
+    prompt_template: Optional[str] = None
+    apply_chat_template: bool = True  # wrap the prompt in the tokenizer's chat template (once)
+    max_prompt_len: int = 1534  # + max_new_tokens + 2 must fit the context (SGLang never fills its last 2)
+    shuffle_seed: int = 42
+
+
+@dataclass
+class RewardSection:
+    format_score: float = 0.0  # paper appendix: 0.1; released code: 0
+    num_workers: int = 4
+    timeout_s: float = 5.0
+
+
+@dataclass
+class TrainSection:
+    steps: int = 1000
+    prompts_per_step: int = 256
+    updates_per_step: int = 4  # optimizer mini-batches per step
+    micro_batch_tokens: int = 30000  # token budget of a packed micro-batch
+
+
+@dataclass
+class OptimSection:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_schedule: str = "constant"  # constant | cosine
+    warmup_updates: int = 0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class EvalSection:
+    interval: int = 50  # steps; 0 = only before and after training
+    n_samples: int = 4
+    n_samples_overrides: dict[str, int] = field(default_factory=lambda: {"aime24": 16, "aime25": 16})
+    temperature: float = 1.0
+    top_p: float = 0.7
+    max_new_tokens: Optional[int] = None  # default: rollout.max_new_tokens
+
+
+@dataclass
+class CheckpointSection:
+    interval: int = 50  # steps; 0 = only at the end and on SIGTERM
+    keep_last: int = 2
+    save_on_sigterm: bool = True
+    stop_timeout_s: float = 270.0  # after SIGTERM/SIGUSR1: exit without a new checkpoint past this (0 = no limit)
+
+
+@dataclass
+class LoggingSection:
+    wandb_mode: str = "disabled"  # online | offline | disabled (WANDB_MODE overrides)
+    wandb_project: str = "m2po-megatron"
+    wandb_entity: Optional[str] = None
+    console: bool = True
+
+
+@dataclass
+class ClusterSection:
+    ray_address: str = "local"  # local (private Ray on this machine) | auto | HOST:PORT
+    ray_tmpdir: Optional[str] = None
+    object_store_memory_mb: int = 512
+    trainer_nodes: int = 1
+    rollout_nodes: int = 0  # 0 = rollout servers share the trainer's node(s)
+    gpus_per_node: int = 0  # 0 = CPU: one trainer process per rank
+    gpu_memory_gb: Optional[float] = None  # when set, the per-GPU memory estimate must fit
+    timeout_s: float = 3600.0  # longest wait on another process (trainer ranks, servers) before the run stops
+
+
+@dataclass
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    staleness: StalenessSection = field(default_factory=StalenessSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    data: DataSection = field(default_factory=DataSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+
+
+def _field_paths(node: Any, prefix: str = "") -> list[str]:
+    out = []
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            path = f"{prefix}{f.name}"
+            out.append(path)
+            out.extend(_field_paths(getattr(node, f.name), path + "."))
+    return out
+
+
+ALL_FIELDS = _field_paths(RunConfig())
+
+
+def field_type(key: str) -> str:
+    """The declared type of a dotted field (for error messages)."""
+    node: Any = RunConfig()
+    fld = None
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node):
+            break
+        fld = {f.name: f for f in dataclasses.fields(node)}.get(part)
+        if fld is None:
+            break
+        node = getattr(node, part)
+    return str(fld.type) if fld is not None else "the schema's type"
