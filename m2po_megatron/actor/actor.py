@@ -362,7 +362,7 @@ class MegatronActor:
             keep_masks, mask_stats = self._global_keep_masks(mb_batch, shard, mbs)
 
         mb_metrics: list[dict] = []
-        extra = {"entropy_sum": 0.0, "tokens": 0.0}
+        extra = {"entropy_sum": 0.0}
 
         def loss_fn(mb: MicroBatch, logits):
             logp, ent = self._token_logps(mb, logits, with_entropy=True)
@@ -384,7 +384,6 @@ class MegatronActor:
                 num_seqs=global_seqs, **kw)
             mb_metrics.append(metrics)
             extra["entropy_sum"] += float(ent.sum())
-            extra["tokens"] += float(logp.numel())
             return loss * (n_local * self.dp_size), {}
 
         self._train_mode()
