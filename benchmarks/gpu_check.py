@@ -194,7 +194,7 @@ def actor_part(model_name: str, dry: bool, n_seqs: int, budget_tokens: int, reps
     out: dict = {"model": model_name if not dry else "tiny", "tokens": sum(batch.lengths), "seqs": len(batch),
                  "micro_batch_tokens": budget_tokens}
     precision = "bf16" if cuda else "fp32"
-    kw = dict(hf_config=cfg, precision=precision, micro_batch_tokens=budget_tokens, lr=1e-6, loss_name="m2po",
+    kw = dict(hf_config=cfg, params_dtype=precision, micro_batch_tokens=budget_tokens, lr=1e-6, loss_name="m2po",
               attention_backend=attention_backend, fp8=fp8, fp8_recipe="tensorwise" if fp8 else None, seed=0)
     if parity:
         out["parity"] = _parity(cfg, kw, dev)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from m2po_megatron.infra import device
+from m2po_megatron.actor.options import actor_kwargs
 from m2po_megatron.config import as_plain, run_dir, save_resolved, secret
 from m2po_megatron.run.metrics import MetricsLogger, Progress
 
@@ -351,37 +351,6 @@ def make_client(cfg: DictConfig, urls: list[str]):
     return SyncRolloutClient(urls, api_key=secret(r.api_key, "M2PO_API_KEY"),
                              max_concurrency_per_server=r.max_concurrency, request_timeout_s=r.request_timeout_s,
                              max_retries=r.max_retries)
-
-
-def actor_kwargs(cfg: DictConfig) -> dict:
-    p, o, a = cfg.parallel, cfg.optim, cfg.algo
-    dtype = cfg.model.params_dtype
-    if dtype == "auto":
-        dtype = "bf16" if device.has_cuda() else "fp32"
-    loss_kwargs = {"loss_agg_mode": a.gspo.loss_agg_mode if a.name == "gspo" else a.loss_agg_mode}
-    if a.dual_clip_c is not None:
-        loss_kwargs["dual_clip"] = a.dual_clip_c
-    if a.name == "grpo":
-        loss_kwargs.update(eps_low=a.grpo.eps_clip_low, eps_high=a.grpo.eps_clip_high)
-    elif a.name == "gspo":
-        loss_kwargs.update(eps_low=a.gspo.eps_clip_low, eps_high=a.gspo.eps_clip_high)
-    total_updates = cfg.train.steps * cfg.train.updates_per_step
-    return dict(
-        hf_model_dir=cfg.model.hf_path, hf_config=cfg.model.hf_config, load_from=cfg.model.megatron_ckpt,
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
-        context_parallel_size=p.context_parallel_size, sequence_parallel=p.sequence_parallel,
-        recompute_granularity=p.recompute_granularity, recompute_method=p.recompute_method,
-        recompute_num_layers=p.recompute_num_layers,
-        use_distributed_optimizer=p.use_distributed_optimizer, precision=dtype, fp8=cfg.model.fp8,
-        fp8_recipe=cfg.model.fp8_recipe if cfg.model.fp8 else None, lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_updates,
-        lr_decay_steps=max(total_updates, 1), lr_decay_style=o.lr_schedule, weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-        micro_batch_tokens=cfg.train.micro_batch_tokens, attention_backend=cfg.model.attention_backend,
-        loss_name=a.name, loss_kwargs=loss_kwargs,
-        m2po_tau=a.m2po.tau, m2po_rule=a.m2po.rule,
-        m2po_scope="minibatch" if a.m2po.scope == "global" else "microbatch", seed=cfg.run.seed)
 
 
 def start_trainers(cfg: DictConfig, world: int, rdir: Path, ckpts) -> "Ranks":

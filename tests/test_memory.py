@@ -89,7 +89,7 @@ def test_each_attention_backend_as_built():
     assert double["activations"] > 3.5 * est["local"]["activations"]
     assert est["te"]["optimizer_step"] == 0 < est["sdpa"]["optimizer_step"]
     with pytest.raises(ValueError, match="attention_backend"):
-        estimate_gpu_memory(cfg, attention_backend="flash")
+        estimate_gpu_memory(cfg, micro_batch_tokens=4096, attention_backend="flash")
 
 
 def test_activations_scale_with_tokens_and_shrink_with_recompute_and_fp8():
@@ -128,9 +128,9 @@ def test_32b_without_model_parallelism_does_not_fit_80gb_but_tp8_does():
 ])
 def test_bad_layouts_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
-        _est("Qwen__Qwen3-8B-Base", **kw)
+        _est("Qwen__Qwen3-8B-Base", micro_batch_tokens=4096, **kw)
 
 
 def test_missing_config_fields_are_named():
     with pytest.raises(ValueError, match="hidden_size"):
-        estimate_gpu_memory({"num_hidden_layers": 2})
+        estimate_gpu_memory({"num_hidden_layers": 2}, micro_batch_tokens=4096)

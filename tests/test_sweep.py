@@ -60,8 +60,11 @@ def test_paper_recipe_fits_80gb_per_gpu(recipe):
     hf = model_hf_config(cfg)
     assert hf is not None, "model.hf_config must point at the bundled config.json"
     p = cfg.parallel
-    est = estimate_gpu_memory(hf, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                              p.data_parallel_size, cfg.train.micro_batch_tokens, p.use_distributed_optimizer,
+    est = estimate_gpu_memory(hf, micro_batch_tokens=cfg.train.micro_batch_tokens,
+                              tensor_model_parallel_size=p.tensor_model_parallel_size,
+                              pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+                              data_parallel_size=p.data_parallel_size,
+                              use_distributed_optimizer=p.use_distributed_optimizer,
                               fp8=bool(cfg.model.fp8), sequence_parallel=p.sequence_parallel)
     assert est["total"] < 80
     assert cfg.cluster.gpu_memory_gb == 80 and cfg.cluster.gpus_per_node == 8

@@ -14,51 +14,57 @@ gradient of the global mini-batch loss.
 from __future__ import annotations
 
 import logging
-import math
-import os
 from functools import partial
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
+from m2po_megatron.infra.device import device
+
+from . import checkpoint
 from .batch import TrainBatch
 from .logprobs import token_log_probs
+from .metrics import combine_updates, reduce_minibatch
 from .packing import MicroBatch, model_inputs, plan_microbatches, shard_for_dp, split_minibatches
 from .precision import probe_machine, resolve_precision
 
 log = logging.getLogger(__name__)
 
-LR_DECAY_STYLES = ("constant", "cosine", "linear")
-M2PO_SCOPES = ("minibatch", "microbatch")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+M2PO_SCOPES = ("global", "microbatch")
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 
 
 class MegatronActor:
-    """A megatron-core trainer rank. See docs/actor.md for the full contract.
+    """A megatron-core trainer rank. See docs/actor.md for the full contract. Parameters are named as the
+    recipe's keys (actor.options.actor_kwargs maps a recipe onto them).
 
     Args:
-        hf_model_dir: HF model directory (config.json; weights are read from it when load_from is None and
-            it holds *.safetensors). Either this or hf_config is required.
-        hf_config: an HF config (dict / PretrainedConfig / config.json path) when hf_model_dir is absent.
+        hf_path: HF model directory (config.json; weights are read from it when load_from is None and it
+            holds *.safetensors). Either this or hf_config is required.
+        hf_config: an HF config (dict / PretrainedConfig / config.json path) when hf_path is absent.
         load_from: initial weights: an HF model directory or a Megatron dist checkpoint directory (model
-            weights only; use load() to resume optimizer/scheduler/RNG). None: hf_model_dir's weights if
+            weights only; use load() to resume optimizer/scheduler/RNG). None: hf_path's weights if
             present, else Megatron's random init (tests).
+        micro_batch_tokens: token budget of one packed micro-batch (a row of several sequences); required,
+            the recipe's train.micro_batch_tokens.
         tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel,
         virtual_pipeline_model_parallel_size, context_parallel_size: Megatron's parallel settings. Data
             parallel size = WORLD_SIZE / (TP * PP * CP).
         use_distributed_optimizer: shard optimizer state over data-parallel ranks (Megatron's ZeRO-1).
-        precision: "fp32" (CPU) or "bf16" (GPU; fp32 main params and grads). fp8: None | "e4m3" | "hybrid"
+        recompute_granularity (None | "selective" | "full"), recompute_method, recompute_num_layers:
+            Megatron's activation recompute.
+        params_dtype: "fp32" (CPU) or "bf16" (GPU; fp32 main params and grads). fp8: None | "e4m3" | "hybrid"
             with fp8_recipe "delayed" | "tensorwise" | "blockwise" | "mxfp8" (Transformer Engine, GPU).
-        optimizer: "adam" (AdamW: decoupled weight decay) or "sgd". lr, min_lr, lr_warmup_steps,
-            lr_decay_steps, lr_decay_style ("constant" | "cosine" | "linear"), weight_decay, adam_beta1,
+        optimizer: "adam" (AdamW: decoupled weight decay) or "sgd". lr, min_lr, warmup_updates,
+            lr_decay_steps, lr_schedule ("constant" | "cosine" | "linear"), weight_decay, adam_beta1,
             adam_beta2, adam_eps, clip_grad (0 = off). Scheduler steps count optimizer updates.
-        micro_batch_tokens: token budget of one packed micro-batch (a row of several sequences).
         attention_backend: "auto" (TE where usable, else "sdpa") | "te" | "sdpa" (PyTorch's fused attention
             per packed sequence, any device) | "local" (megatron's dense-mask attention; a reference), see
             models.builder.resolve_attention_backend.
         loss_name: a loss of m2po_megatron.algo.losses (e.g. "m2po", "grpo"); loss_kwargs: its options.
-        m2po_tau, m2po_rule ("remove" | "cap"), m2po_scope: "minibatch" (the paper's batch-level mask over
+        m2po_tau, m2po_rule ("remove" | "cap"), m2po_scope: "global" (the paper's batch-level mask over
             the whole optimizer mini-batch across DP ranks, from a no-grad forward at the current weights)
             or "microbatch" (per micro-batch mask inside the loss, no extra forward; the released code).
         seed: Megatron's model-parallel RNG seed.
@@ -66,8 +72,9 @@ class MegatronActor:
 
     def __init__(
         self,
-        hf_model_dir: Optional[str] = None,
+        hf_path: Optional[str] = None,
         *,
+        micro_batch_tokens: int,
         hf_config: Any = None,
         load_from: Any = None,
         tensor_model_parallel_size: int = 1,
@@ -76,83 +83,46 @@ class MegatronActor:
         context_parallel_size: int = 1,
         sequence_parallel: bool = False,
         use_distributed_optimizer: bool = True,
-        precision: str = "fp32",
+        recompute_granularity: Optional[str] = None,
+        recompute_method: str = "uniform",
+        recompute_num_layers: int = 1,
+        params_dtype: str = "fp32",
         fp8: Optional[str] = None,
         fp8_recipe: Optional[str] = None,
         optimizer: str = "adam",
         lr: float = 1e-6,
         min_lr: float = 0.0,
-        lr_warmup_steps: int = 0,
+        warmup_updates: int = 0,
         lr_decay_steps: Optional[int] = None,
-        lr_decay_style: str = "constant",
+        lr_schedule: str = "constant",
         weight_decay: float = 0.01,
         adam_beta1: float = 0.9,
         adam_beta2: float = 0.999,
         adam_eps: float = 1e-8,
         clip_grad: float = 1.0,
-        micro_batch_tokens: int = 8192,
         attention_backend: str = "auto",
-        recompute_granularity: Optional[str] = None,
-        recompute_method: str = "uniform",
-        recompute_num_layers: int = 1,
         loss_name: str = "m2po",
         loss_kwargs: Optional[dict] = None,
         m2po_tau: float = 0.04,
         m2po_rule: str = "remove",
-        m2po_scope: str = "minibatch",
+        m2po_scope: str = "global",
         seed: int = 1234,
     ):
-        # ---- cheap checks first (before any distributed or model work) ----
-        if hf_model_dir is None and hf_config is None:
-            raise ValueError("MegatronActor needs hf_model_dir or hf_config (the model architecture)")
-        if context_parallel_size != 1:
-            raise NotImplementedError("context_parallel_size > 1 is not supported yet (packed rows would need "
-                                      "per-sequence CP splitting); use tensor/pipeline/data parallelism")
-        if (virtual_pipeline_model_parallel_size or 1) > 1:
-            raise NotImplementedError("virtual pipeline parallelism is not supported by MegatronActor yet; "
-                                      "set virtual_pipeline_model_parallel_size=None")
-        if optimizer not in ("adam", "sgd"):
-            raise ValueError(f"optimizer={optimizer!r}: use 'adam' (AdamW) or 'sgd'")
-        if optimizer == "sgd" and use_distributed_optimizer:
-            raise ValueError("megatron's distributed optimizer supports Adam only: with optimizer='sgd' set "
-                             "use_distributed_optimizer=False")
-        if lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"lr_decay_style={lr_decay_style!r}: use one of {LR_DECAY_STYLES}")
-        if lr_decay_style != "constant" and not lr_decay_steps:
-            raise ValueError(f"lr_decay_style={lr_decay_style!r} needs lr_decay_steps (total optimizer updates)")
-        if m2po_scope not in M2PO_SCOPES:
-            raise ValueError(f"m2po_scope={m2po_scope!r}: use one of {M2PO_SCOPES}")
-        if recompute_granularity not in RECOMPUTE_GRANULARITIES:
-            raise ValueError(f"recompute_granularity={recompute_granularity!r}: use one of "
-                             f"{RECOMPUTE_GRANULARITIES}")
-        if recompute_granularity == "full" and recompute_method not in ("uniform", "block"):
-            raise ValueError(f"recompute_method={recompute_method!r}: use 'uniform' or 'block'")
-        if micro_batch_tokens < 2:
-            raise ValueError(f"micro_batch_tokens={micro_batch_tokens} must be >= 2")
-        from m2po_megatron.algo import losses as algo_losses
-
-        known = getattr(algo_losses, "LOSSES", None)
-        if known is not None and loss_name not in known:
-            raise ValueError(f"loss_name={loss_name!r}: use one of {sorted(known)}")
-        cuda, te, cc = probe_machine()
-        from m2po_megatron.models.builder import resolve_attention_backend
-
-        self.attention_backend = resolve_attention_backend(attention_backend, cuda=cuda, te=te)
-        if sequence_parallel and self.attention_backend != "te":
-            raise ValueError("sequence_parallel=True needs the Transformer Engine layer spec (attention_backend "
-                             "'te' on a GPU): megatron-core's local layers use torch norms, which refuse sequence "
-                             "parallelism; set sequence_parallel=False")
-        self.precision = resolve_precision(precision, fp8, fp8_recipe, cuda=cuda, te_available=te,
-                                           compute_capability=cc)
-        if self.precision.fp8 and self.attention_backend != "te":
-            raise ValueError(f"fp8 runs on Transformer Engine layers: set attention_backend='te' (or 'auto'), "
-                             f"not {attention_backend!r}")
+        # Cheap checks first, before any distributed or model work.
+        if hf_path is None and hf_config is None:
+            raise ValueError("MegatronActor needs hf_path or hf_config (the model architecture)")
+        _check_options(
+            micro_batch_tokens=micro_batch_tokens, context_parallel_size=context_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size, optimizer=optimizer,
+            use_distributed_optimizer=use_distributed_optimizer, lr_schedule=lr_schedule,
+            lr_decay_steps=lr_decay_steps, m2po_scope=m2po_scope, recompute_granularity=recompute_granularity,
+            recompute_method=recompute_method, loss_name=loss_name)
+        self._resolve_machine(attention_backend, sequence_parallel, params_dtype, fp8, fp8_recipe)
+        from m2po_megatron.models.builder import validate_layout
         from m2po_megatron.models.hf_config import read_hf_config
 
-        self.hf_source = hf_model_dir if hf_model_dir is not None else hf_config
+        self.hf_source = hf_path if hf_path is not None else hf_config
         self.spec = read_hf_config(self.hf_source)
-        from m2po_megatron.models.builder import validate_layout
-
         validate_layout(self.spec, tensor_model_parallel_size, pipeline_model_parallel_size)
 
         self.loss_name = loss_name
@@ -162,33 +132,64 @@ class MegatronActor:
         self.updates_applied = 0
         self.use_distributed_optimizer = bool(use_distributed_optimizer)
 
-        # ---- distributed state ----
-        from .parallel import init_distributed
+        self._init_parallel(tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size, seed)
+        chunks = self._build_model(sequence_parallel, _recompute_overrides(
+            recompute_granularity, recompute_method, recompute_num_layers))
+        # Initial weights go into the bare chunks, before DDP / the optimizer copy them into their buffers.
+        src = load_from
+        if src is None and hf_path is not None and checkpoint.has_hf_weights(hf_path):
+            src = hf_path
+        if src is not None:
+            checkpoint.load_initial_weights(chunks, src, self.spec)
+        self._wrap_ddp(chunks)
+        self._build_optimizer(
+            dict(optimizer=optimizer, lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=adam_beta1,
+                 adam_beta2=adam_beta2, adam_eps=adam_eps, clip_grad=clip_grad),
+            warmup_updates=warmup_updates, lr_decay_steps=lr_decay_steps, lr_schedule=lr_schedule)
 
-        self.dp_size = init_distributed(tensor_model_parallel_size=tensor_model_parallel_size,
-                                        pipeline_model_parallel_size=pipeline_model_parallel_size,
-                                        context_parallel_size=context_parallel_size, seed=seed)
+    # ------------------------------------------------------------------ construction
+    def _resolve_machine(self, attention_backend, sequence_parallel, params_dtype, fp8, fp8_recipe) -> None:
+        """Attention backend and precision for this machine (CUDA, Transformer Engine, compute capability)."""
+        from m2po_megatron.models.builder import resolve_attention_backend
+
+        cuda, te, cc = probe_machine()
+        self.attention_backend = resolve_attention_backend(attention_backend, cuda=cuda, te=te)
+        if sequence_parallel and self.attention_backend != "te":
+            raise ValueError("sequence_parallel=True needs the Transformer Engine layer spec (attention_backend "
+                             "'te' on a GPU): megatron-core's local layers use torch norms, which refuse sequence "
+                             "parallelism; set sequence_parallel=False")
+        self.precision = resolve_precision(params_dtype, fp8, fp8_recipe, cuda=cuda, te_available=te,
+                                           compute_capability=cc)
+        if self.precision.fp8 and self.attention_backend != "te":
+            raise ValueError(f"fp8 runs on Transformer Engine layers: set attention_backend='te' (or 'auto'), "
+                             f"not {attention_backend!r}")
+
+    def _init_parallel(self, tp: int, pp: int, cp: int, seed: int) -> None:
+        """torch.distributed and Megatron's parallel state; the groups and ranks this actor talks to."""
         from megatron.core import parallel_state as ps
 
+        from .parallel import init_distributed
+
+        self.dp_size = init_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                        context_parallel_size=cp, seed=seed)
         self.ps = ps
-        self.tp_size = tensor_model_parallel_size
-        self.pp_size = pipeline_model_parallel_size
+        self.tp_size = tp
+        self.pp_size = pp
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.dp_rank = ps.get_data_parallel_rank()
         self.is_last_stage = ps.is_pipeline_last_stage()
 
-        # ---- model ----
+    def _build_model(self, sequence_parallel: bool, recompute: dict) -> list:
+        """This rank's bare GPTModel chunks (the TransformerConfig kept as self.config)."""
         from m2po_megatron.models.builder import build_model_chunks, transformer_config_from_hf
 
         pr = self.precision
         self.config = transformer_config_from_hf(
             self.spec, params_dtype=pr.transformer_overrides()["params_dtype"],
-            tensor_model_parallel_size=tensor_model_parallel_size,
-            pipeline_model_parallel_size=pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
-            fp8=pr.fp8, fp8_recipe=pr.fp8_recipe, **_recompute_overrides(
-                recompute_granularity, recompute_method, recompute_num_layers))
+            tensor_model_parallel_size=self.tp_size, pipeline_model_parallel_size=self.pp_size,
+            sequence_parallel=sequence_parallel, fp8=pr.fp8, fp8_recipe=pr.fp8_recipe, **recompute)
         chunks = build_model_chunks(self.spec, self.config, attention_backend=self.attention_backend)
         self.device = next(chunks[0].parameters()).device  # where every micro-batch input goes
         # Row lengths must divide by TP for sequence parallelism.
@@ -198,100 +199,48 @@ class MegatronActor:
         # gloo in 0.19.2 here; fixed shapes also avoid one extra p2p per micro-batch).
         if self.pp_size > 1:
             self.config.variable_seq_lengths = False
-        # Initial weights go into the bare chunks, before DDP / the optimizer copy them into their buffers.
-        src = load_from
-        if src is None and hf_model_dir is not None and _has_hf_weights(hf_model_dir):
-            src = hf_model_dir
-        if src is not None:
-            self._load_initial_weights(chunks, src)
+        return chunks
 
+    def _wrap_ddp(self, chunks: list) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
-            use_distributed_optimizer=use_distributed_optimizer, check_for_nan_in_grad=True,
+            use_distributed_optimizer=self.use_distributed_optimizer, check_for_nan_in_grad=True,
             bucket_size=None)
         self.model = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=c) for c in chunks]
 
-        # ---- optimizer + scheduler ----
+    def _build_optimizer(self, optim: dict, *, warmup_updates: int, lr_decay_steps: Optional[int],
+                         lr_schedule: str) -> None:
+        """Megatron's optimizer over the DDP chunks and its scheduler, stepped once per optimizer update."""
+        from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        bf16 = pr.params_dtype == "bf16"
+        bf16 = self.precision.params_dtype == "bf16"
         self.opt_config = OptimizerConfig(
-            optimizer=optimizer, lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=adam_beta1,
-            adam_beta2=adam_beta2, adam_eps=adam_eps, clip_grad=clip_grad, bf16=bf16,
-            params_dtype=torch.bfloat16 if bf16 else torch.float32,
-            use_distributed_optimizer=use_distributed_optimizer)
+            **optim, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=self.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(self.opt_config, self.model)
-        decay_steps = int(lr_decay_steps or max(1, lr_warmup_steps) + 1)
+        lr, min_lr, wd = optim["lr"], optim["min_lr"], optim["weight_decay"]
+        decay_steps = int(lr_decay_steps or max(1, warmup_updates) + 1)
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if lr_warmup_steps else lr, max_lr=lr, min_lr=min_lr,
-            lr_warmup_steps=int(lr_warmup_steps), lr_decay_steps=max(decay_steps, int(lr_warmup_steps) + 1),
-            lr_decay_style=lr_decay_style, start_wd=weight_decay, end_wd=weight_decay,
+            self.optimizer, init_lr=0.0 if warmup_updates else lr, max_lr=lr, min_lr=min_lr,
+            lr_warmup_steps=int(warmup_updates), lr_decay_steps=max(decay_steps, int(warmup_updates) + 1),
+            lr_decay_style=lr_schedule, start_wd=wd, end_wd=wd,
             wd_incr_steps=max(1, decay_steps), wd_incr_style="constant")
-
-        from megatron.core.distributed import finalize_model_grads
 
         self.config.no_sync_func = self.model[0].no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss
 
-
     # ------------------------------------------------------------------ weights
-    def _load_initial_weights(self, chunks: list, src: Any) -> None:
-        from megatron.core import dist_checkpointing
-
-        from m2po_megatron.models import load_hf_weights
-
-        if isinstance(src, (str, os.PathLike)):
-            src = os.fspath(src)
-            if dist_checkpointing.check_is_distributed_checkpoint(src):
-                sd = {"model": chunks[0].sharded_state_dict()}
-                loaded = dist_checkpointing.load(sd, src, strict=_strict_assume_ok())
-                chunks[0].load_state_dict(loaded["model"])
-                return
-            if not _has_hf_weights(src):
-                raise FileNotFoundError(f"load_from={src!r} is neither an HF model directory with *.safetensors "
-                                        "nor a Megatron dist checkpoint (metadata.json)")
-        # HF directory, or an in-memory transformers model / {hf_name: tensor} dict (tests)
-        load_hf_weights(chunks, src, self.spec)
-
     def _unwrapped(self) -> list:
         return [m.module for m in self.model]
 
     def model_chunks(self) -> list:
         """The bare GPTModel chunks of this rank (for the export iterator / weight sync)."""
         return self._unwrapped()
-
-    @torch.no_grad()
-    def gather_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model under HF names on every rank (CPU tensors), built with the models helper's table.
-        Gathers everything: for tests and small models; weight sync uses the streaming export iterator."""
-        from m2po_megatron.models.loading import global_named_parameters
-        from m2po_megatron.models.weights import rule_for, to_hf, tp_split_dim
-
-        local: dict[str, torch.Tensor] = {}
-        for chunk in self._unwrapped():
-            for name, p in global_named_parameters(chunk):
-                rule, layer = rule_for(self.spec, name)
-                t = p.detach()
-                if tp_split_dim(rule) is None or self.tp_size == 1:
-                    shards = [t]
-                else:
-                    shards = [torch.empty_like(t) for _ in range(self.tp_size)]
-                    dist.all_gather(shards, t.contiguous(), group=self.tp_group)
-                for k, v in to_hf(self.spec, rule, shards, layer):
-                    local.setdefault(k, v.float().cpu().clone())
-        if self.pp_size == 1:
-            return local
-        parts: list = [None] * self.pp_size
-        dist.all_gather_object(parts, local, group=self.pp_group)
-        out: dict[str, torch.Tensor] = {}
-        for part in parts:
-            for k, v in part.items():
-                out.setdefault(k, v)
-        return out
 
     # ------------------------------------------------------------------ forward plumbing
     def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool):
@@ -365,8 +314,7 @@ class MegatronActor:
 
     def _share(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over DP (disjoint shards) on the last stage, then broadcast to every pipeline stage."""
-        dev = _comm_device()
-        t = t.to(dev)
+        t = t.to(device())
         if self.is_last_stage and self.dp_size > 1:
             dist.all_reduce(t, group=self.dp_group)
         if self.pp_size > 1:
@@ -394,7 +342,7 @@ class MegatronActor:
         per_update = []
         for mi in minis:
             per_update.append(self._train_minibatch(batch.select(mi)))
-        return _combine_updates(per_update, self.updates_applied)
+        return combine_updates(per_update, self.updates_applied)
 
     def _train_minibatch(self, mb_batch: TrainBatch) -> dict:
         from m2po_megatron.algo import losses as algo_losses
@@ -409,12 +357,12 @@ class MegatronActor:
 
         keep_masks: dict[int, torch.Tensor] = {}
         mask_stats: dict[str, float] = {}
-        use_global_mask = self.loss_name == "m2po" and self.m2po_scope == "minibatch"
+        use_global_mask = self.loss_name == "m2po" and self.m2po_scope == "global"
         if use_global_mask:
             keep_masks, mask_stats = self._global_keep_masks(mb_batch, shard, mbs)
 
         mb_metrics: list[dict] = []
-        extra = {"entropy_sum": 0.0, "tokens": 0.0}
+        extra = {"entropy_sum": 0.0}
 
         def loss_fn(mb: MicroBatch, logits):
             logp, ent = self._token_logps(mb, logits, with_entropy=True)
@@ -436,7 +384,6 @@ class MegatronActor:
                 num_seqs=global_seqs, **kw)
             mb_metrics.append(metrics)
             extra["entropy_sum"] += float(ent.sum())
-            extra["tokens"] += float(logp.numel())
             return loss * (n_local * self.dp_size), {}
 
         self._train_mode()
@@ -450,7 +397,9 @@ class MegatronActor:
             self.scheduler.step(increment=1)
             self.updates_applied += 1
 
-        out = self._reduce_loss_metrics(mb_metrics, extra, mask_stats)
+        reduced = (reduce_minibatch(mb_metrics, extra["entropy_sum"], mask_stats, dp_group=self.dp_group)
+                   if self.is_last_stage else None)
+        out = self._on_all_stages(reduced)
         out.update({
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "lr": lr_used,
@@ -460,51 +409,14 @@ class MegatronActor:
         })
         return out
 
-    def _reduce_loss_metrics(self, mb_metrics: list[dict], extra: dict, mask_stats: dict) -> dict:
-        """Combine the algo metrics of this rank's micro-batches, then over DP ranks (exact weighted means,
-        sums, min/max via algo.metrics partials), then send the result to every pipeline stage."""
-        from m2po_megatron.algo.metrics import from_partials, to_partials
-
-        result = None
-        if self.is_last_stage:
-            sums: dict[str, float] = {}
-            mins: dict[str, float] = {}
-            maxes: dict[str, float] = {}
-            for d in mb_metrics:
-                s_, lo, hi = to_partials(d)
-                for k, v in s_.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                for k, v in lo.items():
-                    mins[k] = min(mins.get(k, math.inf), v)
-                for k, v in hi.items():
-                    maxes[k] = max(maxes.get(k, -math.inf), v)
-            sums["_entropy_sum"] = extra["entropy_sum"]
-            sums["_mb"] = float(len(mb_metrics))
-            ks, kmin, kmax = sorted(sums), sorted(mins), sorted(maxes)
-            t_sum = torch.tensor([sums[k] for k in ks], dtype=torch.float64)
-            t_min = torch.tensor([mins[k] for k in kmin], dtype=torch.float64)
-            t_max = torch.tensor([maxes[k] for k in kmax], dtype=torch.float64)
-            if self.dp_size > 1:
-                dev = _comm_device()
-                t_sum, t_min, t_max = t_sum.to(dev), t_min.to(dev), t_max.to(dev)
-                dist.all_reduce(t_sum, group=self.dp_group)
-                if t_min.numel():
-                    dist.all_reduce(t_min, op=dist.ReduceOp.MIN, group=self.dp_group)
-                if t_max.numel():
-                    dist.all_reduce(t_max, op=dist.ReduceOp.MAX, group=self.dp_group)
-            sums = dict(zip(ks, t_sum.cpu().tolist()))
-            ent, n_mb = sums.pop("_entropy_sum"), sums.pop("_mb")
-            result = from_partials(sums, dict(zip(kmin, t_min.cpu().tolist())),
-                                   dict(zip(kmax, t_max.cpu().tolist())))
-            result["entropy"] = ent / max(result.get("count/tokens", 0.0), 1.0)
-            result["num_microbatches"] = int(n_mb)
-            result.update(mask_stats)
+    def _on_all_stages(self, obj):
+        """`obj` of the last pipeline stage, on every stage."""
         if self.pp_size > 1:
-            box = [result]
+            box = [obj]
             dist.broadcast_object_list(box, src=self.ps.get_pipeline_model_parallel_last_rank(),
                                        group=self.pp_group)
-            result = box[0]
-        return result
+            obj = box[0]
+        return obj
 
     @torch.no_grad()  # megatron's forward_only does not disable autograd; without this it keeps the graph
     def _global_keep_masks(self, mb_batch: TrainBatch, shard: list[int], mbs: list[MicroBatch]):
@@ -536,79 +448,14 @@ class MegatronActor:
         return {id(mb): k for mb, k in zip(mbs, res.keep_masks)}, stats
 
     # ------------------------------------------------------------------ checkpoints
-    def _sharded_state_dict(self, is_loading: bool) -> dict:
-        from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-        chunks = self._unwrapped()
-        model_sd = chunks[0].sharded_state_dict()
-        sd: dict[str, Any] = {"model": model_sd}
-        meta = {"distrib_optim_sharding_type": "fully_reshardable"}
-        try:
-            sd["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=meta)
-        except TypeError:  # non-distributed optimizers take no metadata
-            sd["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
-        sd["opt_param_scheduler"] = self.scheduler.state_dict()
-        sd["updates_applied"] = self.updates_applied
-        ps = self.ps
-        # RNG states per (PP, TP) position; restored only when the layout is unchanged.
-        rng = {"torch": torch.get_rng_state(),
-               "tracker": _rng_tracker_states()}
-        sd["rng_state"] = ShardedObject(
-            "rng_state", rng, (self.pp_size, self.tp_size),
-            (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
-            replica_id=self.dp_rank)
-        sd["layout"] = {"tp": self.tp_size, "pp": self.pp_size,
-                        "use_distributed_optimizer": self.use_distributed_optimizer}
-        return sd
-
     def save(self, path: str) -> None:
         """Write a Megatron dist checkpoint (model, optimizer, scheduler, RNG, update count) to `path`.
         Loadable at another TP/PP/DP layout (RNG is then re-seeded instead of restored)."""
-        from megatron.core import dist_checkpointing
-
-        os.makedirs(path, exist_ok=True)
-        dist.barrier()
-        dist_checkpointing.save(self._sharded_state_dict(is_loading=False), path)
-        dist.barrier()
+        checkpoint.save(self, path)
 
     def load(self, path: str) -> None:
         """Resume from save(): model, optimizer, scheduler, update count (and RNG at the same TP/PP)."""
-        from megatron.core import dist_checkpointing
-
-        if not dist_checkpointing.check_is_distributed_checkpoint(path):
-            raise FileNotFoundError(f"{path!r} is not a Megatron dist checkpoint (no metadata.json)")
-        layout = dist_checkpointing.load_common_state_dict(path).get("layout") or {}
-        saved_distopt = layout.get("use_distributed_optimizer", self.use_distributed_optimizer)
-        if saved_distopt != self.use_distributed_optimizer:
-            raise ValueError(f"{path} was saved with use_distributed_optimizer={saved_distopt}; megatron cannot load "
-                             f"its optimizer state into the other kind: set parallel.use_distributed_optimizer="
-                             f"{str(saved_distopt).lower()} to resume from it")
-        same_layout = (layout.get("tp"), layout.get("pp")) == (self.tp_size, self.pp_size)
-        self._ensure_optimizer_state()
-        sd = self._sharded_state_dict(is_loading=True)
-        if not same_layout:
-            sd.pop("rng_state")
-        loaded = dist_checkpointing.load(sd, path)
-        self._unwrapped()[0].load_state_dict(loaded["model"])
-        self.optimizer.load_state_dict(loaded["optimizer"])
-        self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
-        self.updates_applied = int(loaded["updates_applied"])
-        if same_layout and "rng_state" in loaded:
-            torch.set_rng_state(loaded["rng_state"]["torch"])
-            _set_rng_tracker_states(loaded["rng_state"]["tracker"])
-
-    def _ensure_optimizer_state(self) -> None:
-        """A fresh optimizer has no state tensors yet; the checkpoint loader needs them allocated (Megatron-LM
-        does the same before loading)."""
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            fn = getattr(opt, "init_state_fn", None)
-            inner = getattr(opt, "optimizer", None)
-            if fn is not None and inner is not None and len(inner.state) == 0:
-                fn(inner, getattr(opt, "config", None))
-                # megatron's init_state_fn omits torch Adam's 'step' (TE's Adam keeps it elsewhere), but its
-                # state_dict() reads it; the loaded value replaces this placeholder.
-                for st in inner.state.values():
-                    st.setdefault("step", _StepPlaceholder(0.0))
+        checkpoint.load(self, path)
 
     def close(self) -> None:
         """Drop Megatron's parallel state (the process group stays, so another actor can be built)."""
@@ -617,47 +464,39 @@ class MegatronActor:
 
 
 # ---------------------------------------------------------------------- helpers
-class _StepPlaceholder(float):
-    """Adam's 'step' before loading: not a tensor (megatron copies every tensor state from the checkpoint,
-    where 'step' is stored apart), but with .item() for DistributedOptimizer.state_dict()."""
+def _check_options(*, micro_batch_tokens, context_parallel_size, virtual_pipeline_model_parallel_size, optimizer,
+                   use_distributed_optimizer, lr_schedule, lr_decay_steps, m2po_scope, recompute_granularity,
+                   recompute_method, loss_name) -> None:
+    """Settings the actor refuses, checked before any distributed or model work."""
+    if context_parallel_size != 1:
+        raise NotImplementedError("context_parallel_size > 1 is not supported yet (packed rows would need "
+                                  "per-sequence CP splitting); use tensor/pipeline/data parallelism")
+    if (virtual_pipeline_model_parallel_size or 1) > 1:
+        raise NotImplementedError("virtual pipeline parallelism is not supported by MegatronActor yet; "
+                                  "set virtual_pipeline_model_parallel_size=None")
+    if optimizer not in ("adam", "sgd"):
+        raise ValueError(f"optimizer={optimizer!r}: use 'adam' (AdamW) or 'sgd'")
+    if optimizer == "sgd" and use_distributed_optimizer:
+        raise ValueError("megatron's distributed optimizer supports Adam only: with optimizer='sgd' set "
+                         "use_distributed_optimizer=False")
+    if lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr_schedule={lr_schedule!r}: use one of {LR_SCHEDULES}")
+    if lr_schedule != "constant" and not lr_decay_steps:
+        raise ValueError(f"lr_schedule={lr_schedule!r} needs lr_decay_steps (total optimizer updates)")
+    if m2po_scope not in M2PO_SCOPES:
+        raise ValueError(f"m2po_scope={m2po_scope!r}: use one of {M2PO_SCOPES}")
+    if recompute_granularity not in RECOMPUTE_GRANULARITIES:
+        raise ValueError(f"recompute_granularity={recompute_granularity!r}: use one of "
+                         f"{RECOMPUTE_GRANULARITIES}")
+    if recompute_granularity == "full" and recompute_method not in ("uniform", "block"):
+        raise ValueError(f"recompute_method={recompute_method!r}: use 'uniform' or 'block'")
+    if micro_batch_tokens < 2:
+        raise ValueError(f"micro_batch_tokens={micro_batch_tokens} must be >= 2")
+    from m2po_megatron.algo import losses as algo_losses
 
-    def item(self):
-        return float(self)
-
-
-def _acc(d: dict, k: str, v: float) -> None:
-    d[k] = d.get(k, 0.0) + v
-
-
-def _combine_updates(per_update: list[dict], updates_applied: int) -> dict:
-    """Metrics of a step: means over its updates, except counts (summed) and maxima."""
-    out: dict[str, Any] = {}
-    keys = per_update[0].keys()
-    for k in keys:
-        vals = [u[k] for u in per_update if k in u]
-        if k in ("num_tokens", "num_seqs", "num_microbatches", "m2po_global/num_dropped",
-                 "m2po_global/num_trust_region", "count/tokens", "count/seqs"):
-            out[k] = sum(vals)
-        elif k == "ratio/max":
-            out[k] = max(vals)
-        elif k == "ratio/min":
-            out[k] = min(vals)
-        elif k == "update_successful":
-            continue
-        elif k == "lr":
-            out[k] = vals[-1]
-        else:
-            out[k] = sum(vals) / len(vals)
-    out["num_updates"] = sum(1 for u in per_update if u["update_successful"])
-    out["updates_applied_total"] = updates_applied
-    out["per_update"] = per_update
-    return out
-
-
-def _comm_device():
-    from m2po_megatron.infra.device import device
-
-    return device()
+    known = getattr(algo_losses, "LOSSES", None)
+    if known is not None and loss_name not in known:
+        raise ValueError(f"loss_name={loss_name!r}: use one of {sorted(known)}")
 
 
 def _recompute_overrides(granularity: Optional[str], method: str, num_layers: int) -> dict:
@@ -669,25 +508,3 @@ def _recompute_overrides(granularity: Optional[str], method: str, num_layers: in
     if granularity == "selective":
         return {"recompute_granularity": "selective"}
     return {"recompute_granularity": "full", "recompute_method": method, "recompute_num_layers": int(num_layers)}
-
-
-def _has_hf_weights(path: str) -> bool:
-    return os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
-
-
-def _strict_assume_ok():
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-
-    return StrictHandling.ASSUME_OK_UNEXPECTED
-
-
-def _rng_tracker_states():
-    from megatron.core import tensor_parallel
-
-    return tensor_parallel.get_cuda_rng_tracker().get_states()
-
-
-def _set_rng_tracker_states(states):
-    from megatron.core import tensor_parallel
-
-    tensor_parallel.get_cuda_rng_tracker().set_states(states)

@@ -214,8 +214,3 @@ def padded_batching_waste(lengths: Sequence[int], max_tokens: int) -> float:
         used += sum(chunk)
         i += b
     return 0.0 if total == 0 else 1.0 - used / total
-
-
-def gather_sequences(values: torch.Tensor, lens: Sequence[int]) -> list[torch.Tensor]:
-    """Split a flat tensor into per-sequence pieces."""
-    return list(torch.split(values, list(lens)))

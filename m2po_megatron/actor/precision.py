@@ -5,10 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
-# Minimum CUDA compute capability per recipe (Ada/Hopper for FP8, Blackwell for MX block scaling).
-_MIN_CC = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
+from m2po_megatron.models.builder import validate_fp8
 
 
 @dataclass(frozen=True)
@@ -34,27 +31,9 @@ def resolve_precision(precision: str, fp8: Optional[str], fp8_recipe: Optional[s
         raise ValueError(f"precision={precision!r}: use 'bf16' (GPU) or 'fp32' (CPU, tests)")
     if not cuda and precision != "fp32":
         raise ValueError(f"precision={precision!r} needs a CUDA GPU; on CPU use precision='fp32'")
-    if fp8 is None:
-        if fp8_recipe is not None:
-            raise ValueError("fp8_recipe is set but fp8 is None: set fp8='e4m3' or 'hybrid', or drop fp8_recipe")
-        return Precision(precision)
-    if fp8 not in FP8_FORMATS:
-        raise ValueError(f"fp8={fp8!r}: use one of {FP8_FORMATS} or None")
-    recipe = fp8_recipe or "delayed"
-    if recipe not in FP8_RECIPES:
-        raise ValueError(f"fp8_recipe={recipe!r}: use one of {FP8_RECIPES}")
-    if not cuda:
-        raise ValueError("fp8 training needs a CUDA GPU with Transformer Engine; this machine has no GPU "
-                         "(drop fp8, or run on an FP8-capable GPU)")
-    if not te_available:
-        raise ValueError("fp8 needs Transformer Engine (pip install transformer-engine[pytorch]); it is not "
-                         "importable here")
-    if precision != "bf16":
+    recipe = validate_fp8(fp8, fp8_recipe, cuda=cuda, te=te_available, compute_capability=compute_capability)
+    if fp8 is not None and precision != "bf16":
         raise ValueError("fp8 runs on top of bf16: set precision='bf16'")
-    need = _MIN_CC[recipe]
-    if compute_capability is not None and tuple(compute_capability) < need:
-        raise ValueError(f"fp8_recipe={recipe!r} needs a GPU with compute capability >= {need[0]}.{need[1]}; "
-                         f"this one is {compute_capability[0]}.{compute_capability[1]}")
     return Precision(precision, fp8, recipe)
 
 

@@ -10,6 +10,7 @@ import os
 from typing import Optional
 
 from m2po_megatron.infra.cluster import RankActorBase
+from m2po_megatron.infra.device import device
 
 
 class TrainerWorker(RankActorBase):
@@ -25,7 +26,7 @@ class TrainerWorker(RankActorBase):
         from m2po_megatron.actor.actor import MegatronActor
 
         self.actor = MegatronActor(**actor_kwargs)
-        self.hf_config = actor_kwargs.get("hf_model_dir") or actor_kwargs.get("hf_config")
+        self.hf_config = actor_kwargs.get("hf_path") or actor_kwargs.get("hf_config")
         return self.node()
 
     # -- training --------------------------------------------------------------------------------
@@ -102,20 +103,12 @@ class TrainerWorker(RankActorBase):
             self.actor.close()
 
 
-def _comm_device():
-    import torch
-
-    from m2po_megatron.infra import device
-
-    return device.device() if device.has_cuda() else torch.device("cpu")
-
-
 def _send_buckets(buckets, dst: int) -> None:
     """Pipeline stage -> global rank 0: per bucket a header (names, shapes, dtypes) then the tensors;
     an empty header ends the stream."""
     import torch.distributed as dist
 
-    dev = _comm_device()
+    dev = device()
     for bucket in buckets:
         header = [[(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in bucket]]
         dist.send_object_list(header, dst=dst, device=dev)
@@ -128,7 +121,7 @@ def _recv_buckets(src: int):
     import torch
     import torch.distributed as dist
 
-    dev = _comm_device()
+    dev = device()
     while True:
         header = [None]
         dist.recv_object_list(header, src=src, device=dev)

@@ -9,12 +9,13 @@ from m2po_megatron.algo.advantages import grpo_advantages
 from m2po_megatron.algo.distributed import (
     GlobalM2POMask,
     all_reduce_metrics,
+    all_reduce_partials,
     global_m2po_keep_masks,
     global_token_counts,
 )
 from m2po_megatron.algo.losses import AGG_MODES, LOSSES, policy_loss
 from m2po_megatron.algo.mask import RULES, keep_trust_region_values, m2po_keep_mask, trust_region
-from m2po_megatron.algo.metrics import reduce_metrics
+from m2po_megatron.algo.metrics import from_partials, reduce_metrics, sum_partials, to_partials
 
 __all__ = [
     "AGG_MODES",
@@ -22,6 +23,8 @@ __all__ = [
     "RULES",
     "GlobalM2POMask",
     "all_reduce_metrics",
+    "all_reduce_partials",
+    "from_partials",
     "global_m2po_keep_masks",
     "global_token_counts",
     "grpo_advantages",
@@ -30,5 +33,7 @@ __all__ = [
     "policy_loss",
     "reduce_metrics",
     "seq_ids_from_cu_seqlens",
+    "sum_partials",
+    "to_partials",
     "trust_region",
 ]

@@ -232,13 +232,13 @@ def global_token_counts(masks: Tensor | Sequence[Tensor], *, group=None,
 
 
 @torch.no_grad()
-def all_reduce_metrics(metrics: dict[str, float], *, group=None, loss: str = "sum") -> dict[str, float]:
-    """Combine a (micro-batch-reduced) policy_loss metric dict over the group's ranks exactly, with three
-    small all_reduces (sum, min, max). Every rank must pass the same keys."""
-    world = _world(group)
-    sums, mins, maxes = to_partials(metrics, loss)
-    if world == 1:
-        return from_partials(sums, mins, maxes, loss)
+def all_reduce_partials(sums: dict[str, float], mins: dict[str, float], maxes: dict[str, float], *, group=None
+                        ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Metric partials (algo.metrics.to_partials / sum_partials) added up over the group's ranks, with three
+    small all_reduces (sum, min, max) of float64 values; keys come back sorted. Every rank must pass the same
+    keys."""
+    if _world(group) == 1:
+        return tuple({k: d[k] for k in sorted(d)} for d in (sums, mins, maxes))
     dev = _device_for(group)
     out = []
     for d, op in ((sums, dist.ReduceOp.SUM), (mins, dist.ReduceOp.MIN), (maxes, dist.ReduceOp.MAX)):
@@ -246,5 +246,12 @@ def all_reduce_metrics(metrics: dict[str, float], *, group=None, loss: str = "su
         t = torch.tensor([d[k] for k in keys], dtype=torch.float64, device=dev)
         if keys:
             dist.all_reduce(t, op=op, group=group)
-        out.append(dict(zip(keys, t.tolist())))
-    return from_partials(*out, loss)
+        out.append(dict(zip(keys, t.cpu().tolist())))
+    return out[0], out[1], out[2]
+
+
+@torch.no_grad()
+def all_reduce_metrics(metrics: dict[str, float], *, group=None, loss: str = "sum") -> dict[str, float]:
+    """Combine a (micro-batch-reduced) policy_loss metric dict over the group's ranks exactly, with three
+    small all_reduces (sum, min, max). Every rank must pass the same keys."""
+    return from_partials(*all_reduce_partials(*to_partials(metrics, loss), group=group), loss)

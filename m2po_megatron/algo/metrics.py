@@ -68,12 +68,9 @@ def from_partials(sums: dict[str, float], mins: dict[str, float], maxes: dict[st
     return out
 
 
-def reduce_metrics(dicts: Sequence[dict[str, float]], loss: str = "sum") -> dict[str, float]:
-    """Combine the metric dicts of several policy_loss calls (e.g. the micro-batches of one mini-batch)."""
-    if loss not in ("sum", "mean"):
-        raise ValueError(f"loss must be 'sum' (calls used global denominators) or 'mean', got {loss!r}")
-    if not dicts:
-        return {}
+def sum_partials(dicts: Sequence[dict[str, float]], loss: str = "sum"
+                 ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """The partials (see to_partials) of several metric dicts added up: sums added, extremes kept."""
     sums: dict[str, float] = {}
     mins: dict[str, float] = {}
     maxes: dict[str, float] = {}
@@ -85,4 +82,13 @@ def reduce_metrics(dicts: Sequence[dict[str, float]], loss: str = "sum") -> dict
             mins[k] = min(mins.get(k, math.inf), v)
         for k, v in hi.items():
             maxes[k] = max(maxes.get(k, -math.inf), v)
-    return from_partials(sums, mins, maxes, loss)
+    return sums, mins, maxes
+
+
+def reduce_metrics(dicts: Sequence[dict[str, float]], loss: str = "sum") -> dict[str, float]:
+    """Combine the metric dicts of several policy_loss calls (e.g. the micro-batches of one mini-batch)."""
+    if loss not in ("sum", "mean"):
+        raise ValueError(f"loss must be 'sum' (calls used global denominators) or 'mean', got {loss!r}")
+    if not dicts:
+        return {}
+    return from_partials(*sum_partials(dicts, loss), loss)

@@ -56,6 +56,25 @@ def iter_hf_tensors(model_chunks: Any, hf_config: Any, dtype: torch.dtype | None
                 yield hf_name, t.contiguous()
 
 
+@torch.no_grad()
+def gather_hf_state_dict(model_chunks: Any, hf_config: Any) -> dict[str, torch.Tensor]:
+    """The full model under HF names on every rank (fp32 CPU tensors): `iter_hf_tensors` on every rank, then
+    the source ranks' tensors shared with all. Holds everything at once: for tests and small models; weight
+    sync streams with `iter_hf_weight_buckets` instead."""
+    import torch.distributed as dist
+
+    local = {k: v.float().cpu().clone() for k, v in iter_hf_tensors(model_chunks, hf_config)}
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for k, v in part.items():
+            out.setdefault(k, v)
+    return out
+
+
 def iter_hf_weight_buckets(model_chunks: Any, hf_config: Any, bucket_mb: float = 512, dtype: torch.dtype | None = None
                            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Lists of (hf_name, full tensor) of at most `bucket_mb` MiB each (a single larger tensor gets a bucket of

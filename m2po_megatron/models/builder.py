@@ -14,6 +14,8 @@ from m2po_megatron.models.layout import validate_layout
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+# Minimum CUDA compute capability per recipe (Ada/Hopper for FP8, Blackwell for MX block scaling).
+_FP8_MIN_CC = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
 
 
 def te_available() -> bool:
@@ -33,19 +35,32 @@ def _dtype(x):
     return names[x]
 
 
-def validate_fp8(fp8: str | None, fp8_recipe: str | None) -> None:
-    """fp8 settings are passed through to Megatron; they need Transformer Engine on a GPU."""
+def validate_fp8(fp8: str | None, fp8_recipe: str | None, *, cuda: bool | None = None, te: bool | None = None,
+                 compute_capability: tuple[int, int] | None = None) -> str | None:
+    """The one check of FP8 settings (passed through to Megatron; they need Transformer Engine on a GPU).
+    Returns the recipe ("delayed" when fp8 is set without one) or None. Pure when cuda and te are given;
+    compute_capability, when known, must reach the recipe's minimum."""
     if fp8 is None:
         if fp8_recipe is not None:
-            raise ValueError(f"fp8_recipe={fp8_recipe!r} given without fp8; set fp8 to one of {FP8_FORMATS}")
-        return
+            raise ValueError(f"fp8_recipe={fp8_recipe!r} is set but fp8 is None: set fp8 to one of {FP8_FORMATS}, "
+                             "or drop fp8_recipe")
+        return None
     if fp8 not in FP8_FORMATS:
-        raise ValueError(f"fp8={fp8!r} is not supported; use one of {FP8_FORMATS} or None")
-    if fp8_recipe is not None and fp8_recipe not in FP8_RECIPES:
-        raise ValueError(f"fp8_recipe={fp8_recipe!r} is not supported; use one of {FP8_RECIPES}")
-    if not te_available():
-        raise ValueError("fp8 training needs Transformer Engine and a CUDA GPU (not available here); "
-                         "set fp8=None")
+        raise ValueError(f"fp8={fp8!r}: use one of {FP8_FORMATS} or None")
+    recipe = fp8_recipe or "delayed"
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"fp8_recipe={recipe!r}: use one of {FP8_RECIPES}")
+    if not (has_cuda() if cuda is None else cuda):
+        raise ValueError("fp8 training needs a CUDA GPU with Transformer Engine; this machine has no GPU "
+                         "(drop fp8, or run on an FP8-capable GPU)")
+    if not (te_available() if te is None else te):
+        raise ValueError("fp8 needs Transformer Engine (pip install transformer-engine[pytorch]); it is not "
+                         "importable here")
+    need = _FP8_MIN_CC[recipe]
+    if compute_capability is not None and tuple(compute_capability) < need:
+        raise ValueError(f"fp8_recipe={recipe!r} needs a GPU with compute capability >= {need[0]}.{need[1]}; "
+                         f"this one is {compute_capability[0]}.{compute_capability[1]}")
+    return recipe
 
 
 def transformer_config_from_hf(hf_config: Any, *, params_dtype=None, tensor_model_parallel_size: int | None = None,

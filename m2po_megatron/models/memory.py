@@ -190,10 +190,11 @@ def _layer_activation_bytes(s: ModelShape, tp: int, sp: bool, fp8: bool, backend
 
 def estimate_gpu_memory(
     hf_config: dict,
+    *,
+    micro_batch_tokens: int,
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     data_parallel_size: int = 1,
-    micro_batch_tokens: int = 4096,
     use_distributed_optimizer: bool = True,
     params_dtype: str = "bf16",
     fp8: bool = False,
@@ -206,8 +207,8 @@ def estimate_gpu_memory(
     attention_backend: str = "sdpa",
 ) -> dict[str, float]:
     """Estimated peak memory of one trainer GPU in GiB: weights, grads, optimizer, activations, logits,
-    optimizer_step, overhead and total. `micro_batch_tokens` is the packed token budget of one micro-batch
-    (split across context parallel ranks); `recompute` is Megatron's recompute_granularity (None,
+    optimizer_step, overhead and total. `micro_batch_tokens` (required: the recipe's train.micro_batch_tokens)
+    is the packed token budget of one micro-batch (split across context parallel ranks); `recompute` is Megatron's recompute_granularity (None,
     "selective", "full"); `attention_backend` the resolved backend ("te", "sdpa", "local").
     `microbatches_in_flight` defaults to the pipeline depth (1F1B keeps up to PP micro-batches on stage 0).
     """

@@ -98,6 +98,7 @@ def _maxdiff(a, b):
 def logprob_worker(names, shared_dir, layouts):
     """For each config and (tp, pp) layout: max |log-prob diff| and |entropy diff| vs HF."""
     from m2po_megatron.actor.actor import MegatronActor
+    from m2po_megatron.convert.export import gather_hf_state_dict
 
     out = {}
     for name in names:
@@ -122,6 +123,7 @@ def train_worker(name, shared_dir, jobs):
     `save` or `load` then (after saving / after loading) runs train_step on batch B and returns its loss and the
 weights after it."""
     from m2po_megatron.actor.actor import MegatronActor
+    from m2po_megatron.convert.export import gather_hf_state_dict
 
     cfg = tiny_config(name, shared_dir)
     hf = make_hf_model(cfg)
@@ -133,7 +135,7 @@ weights after it."""
         actor = MegatronActor(hf_config=cfg, load_from=hf, tensor_model_parallel_size=job["tp"],
                               pipeline_model_parallel_size=job["pp"], micro_batch_tokens=job.get("mbt", 40),
                               optimizer=opt, lr=0.1 if opt == "sgd" else 1e-3, weight_decay=0.0,
-                              clip_grad=0.0, loss_name="m2po", m2po_tau=0.02, m2po_scope="minibatch",
+                              clip_grad=0.0, loss_name="m2po", m2po_tau=0.02, m2po_scope="global",
                               use_distributed_optimizer=job.get("distopt", opt == "adam"))
         res = {"dp": actor.dp_size}
         if job.get("load"):
@@ -147,14 +149,14 @@ weights after it."""
                 continue
         else:
             res["metrics"] = actor.train_step(batch_a, num_minibatches=job.get("num_minibatches", 1))
-            res["weights"] = actor.gather_hf_state_dict()
+            res["weights"] = gather_hf_state_dict(actor.model_chunks(), actor.spec)
             init = hf.state_dict()
             res["moved"] = max(float((v - init[k]).abs().max()) for k, v in res["weights"].items() if k in init)
         if job.get("save"):
             actor.save(job["save"])
         if job.get("save") or job.get("load"):
             res["loss_b"] = actor.train_step(batch_b, num_minibatches=1)["loss"]
-            res["weights_b"] = actor.gather_hf_state_dict()  # after an update: exposes the optimizer state
+            res["weights_b"] = gather_hf_state_dict(actor.model_chunks(), actor.spec)  # after an update: exposes the optimizer state
         results.append(res)
         actor.close()
     return results
@@ -164,6 +166,7 @@ def recompute_worker(settings):
     """One M2PO step (SGD, micro-batched) per recompute setting; returns loss, HF-named weights, and how often
     decoder layers and core attention ran forward (recompute re-runs them in backward)."""
     from m2po_megatron.actor.actor import MegatronActor
+    from m2po_megatron.convert.export import gather_hf_state_dict
 
     cfg = tiny_config("qwen2_untied")
     hf = make_hf_model(cfg)
@@ -184,7 +187,7 @@ def recompute_worker(settings):
             layer.register_forward_pre_hook(count("layer"))
             layer.self_attention.core_attention.register_forward_pre_hook(count("core_attn"))
         m = actor.train_step(batch, num_minibatches=2)
-        out[name] = {"loss": m["loss"], "weights": actor.gather_hf_state_dict(), "calls": calls,
+        out[name] = {"loss": m["loss"], "weights": gather_hf_state_dict(actor.model_chunks(), actor.spec), "calls": calls,
                      "microbatches": m["num_microbatches"]}
         actor.close()
     return out

@@ -45,7 +45,7 @@ def _parity_worker(backend, toy=False):
     hf = w.make_hf_model(cfg).to(dev)
     batch = w.make_batch(n=6, vocab=cfg["vocab_size"], min_len=64, max_len=512)
     ref, _ = w.hf_log_probs(hf, batch)
-    actor = MegatronActor(hf_config=cfg, load_from=hf, precision=precision, micro_batch_tokens=1024,
+    actor = MegatronActor(hf_config=cfg, load_from=hf, params_dtype=precision, micro_batch_tokens=1024,
                           attention_backend=backend, loss_name="grpo")
     lp, _ = actor.compute_log_probs(batch)
     hf16, _ = w.hf_log_probs(hf.to(torch.bfloat16), batch)
@@ -84,7 +84,7 @@ def _step_worker(backend, fp8, toy=False):
     plen = budget // per_row // 8
     batch = TrainBatch(ids, [plen] * n, [-math.log(cfg["vocab_size"]) + 0.05 * torch.randn(len(x) - plen, generator=g)
                                          for x in ids], torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0))
-    actor = MegatronActor(hf_config=cfg, precision=precision, micro_batch_tokens=budget, attention_backend=backend,
+    actor = MegatronActor(hf_config=cfg, params_dtype=precision, micro_batch_tokens=budget, attention_backend=backend,
                           fp8=fp8, fp8_recipe="tensorwise" if fp8 else None, lr=1e-5, loss_name="m2po", seed=0)
     actor.train_step(batch)  # allocates the optimizer state
     if dev == "cuda":

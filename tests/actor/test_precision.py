@@ -26,11 +26,11 @@ def test_actor_rejects_bad_settings_before_distributed_work():
     import actor_workers as w
 
     cfg = w.tiny_config("qwen2_untied")
-    for kw, msg in [(dict(precision="bf16"), "CUDA GPU"), (dict(fp8="e4m3"), "GPU"),
+    for kw, msg in [(dict(params_dtype="bf16"), "CUDA GPU"), (dict(fp8="e4m3"), "GPU"),
                     (dict(sequence_parallel=True, tensor_model_parallel_size=2), "Transformer Engine"),
                     (dict(context_parallel_size=2), "not supported yet"),
                     (dict(optimizer="sgd"), "use_distributed_optimizer=False"),
-                    (dict(lr_decay_style="cosine"), "lr_decay_steps"),
+                    (dict(lr_schedule="cosine"), "lr_decay_steps"),
                     (dict(tensor_model_parallel_size=3), "divisible")]:
         with pytest.raises((ValueError, NotImplementedError), match=msg):
-            MegatronActor(hf_config=cfg, **kw)
+            MegatronActor(hf_config=cfg, micro_batch_tokens=64, **kw)

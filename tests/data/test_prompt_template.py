@@ -84,7 +84,7 @@ PAPER = sorted(p for p in (Path(__file__).resolve().parents[2] / "recipes" / "pa
 
 @pytest.mark.parametrize("recipe", PAPER, ids=[p.stem for p in PAPER])
 def test_paper_recipes_resolve_to_the_papers_prompt_and_gspo_aggregation(recipe):
-    from m2po_megatron.train import actor_kwargs
+    from m2po_megatron.actor.options import actor_kwargs
 
     for algo, agg in (("m2po", "token-mean"), ("grpo", "token-mean"), ("grpo_notr", "token-mean"),
                       ("gspo", "seq-mean-token-mean")):

@@ -1,0 +1,52 @@
+"""The actor's step metrics: one mini-batch's micro-batches combined over data-parallel ranks, then the
+updates of a step combined. The exact combination is algo's (algo.metrics partials, algo.distributed)."""
+from __future__ import annotations
+
+from typing import Any
+
+from m2po_megatron.algo.distributed import all_reduce_partials
+from m2po_megatron.algo.metrics import from_partials, sum_partials
+
+# Step metrics summed over a step's updates (the rest are means over updates, except the keys below).
+_SUMMED = ("num_tokens", "num_seqs", "num_microbatches", "m2po_global/num_dropped", "m2po_global/num_trust_region",
+           "count/tokens", "count/seqs")
+
+
+def reduce_minibatch(mb_metrics: list[dict], entropy_sum: float, mask_stats: dict, *, dp_group) -> dict:
+    """The policy_loss metrics of this rank's micro-batches combined with every data-parallel rank's (exact
+    weighted means, sums, min/max), plus the token-mean entropy, the micro-batch count and the batch-level
+    mask's stats. Called on the last pipeline stage; every rank of dp_group must call it."""
+    sums, mins, maxes = sum_partials(mb_metrics)
+    sums["_entropy_sum"] = entropy_sum
+    sums["_mb"] = float(len(mb_metrics))
+    sums, mins, maxes = all_reduce_partials(sums, mins, maxes, group=dp_group)
+    ent, n_mb = sums.pop("_entropy_sum"), sums.pop("_mb")
+    result = from_partials(sums, mins, maxes)
+    result["entropy"] = ent / max(result.get("count/tokens", 0.0), 1.0)
+    result["num_microbatches"] = int(n_mb)
+    result.update(mask_stats)
+    return result
+
+
+def combine_updates(per_update: list[dict], updates_applied: int) -> dict:
+    """Metrics of a step: means over its updates, except counts (summed) and extremes; lr is the last one."""
+    out: dict[str, Any] = {}
+    keys = per_update[0].keys()
+    for k in keys:
+        vals = [u[k] for u in per_update if k in u]
+        if k in _SUMMED:
+            out[k] = sum(vals)
+        elif k == "ratio/max":
+            out[k] = max(vals)
+        elif k == "ratio/min":
+            out[k] = min(vals)
+        elif k == "update_successful":
+            continue
+        elif k == "lr":
+            out[k] = vals[-1]
+        else:
+            out[k] = sum(vals) / len(vals)
+    out["num_updates"] = sum(1 for u in per_update if u["update_successful"])
+    out["updates_applied_total"] = updates_applied
+    out["per_update"] = per_update
+    return out
