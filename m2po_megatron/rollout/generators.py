@@ -36,30 +36,6 @@ class Generator(Protocol):
     def locked(self) -> ContextManager:
         """Held around ledger work and checkpoints: the generation thread writes the ledger too."""
 
-    def locked(self) -> ContextManager:
-        return self.lock
-
-    def on_step(self, version: int, updates: int) -> None:
-        self.ctl.on_step(version, updates=updates)
-
-    def needs_sync(self) -> bool:
-        return self.ctl.needs_sync()
-
-    def pause(self) -> None:
-        self.paused.set()
-
-    def resume(self) -> None:
-        self.paused.clear()
-
-    def on_sync(self, version: int) -> None:
-        self.ctl.on_sync(version)
-
-    def stats(self, since: float) -> GenStats:
-        return self.maker.stats(since)
-
-    def eval_rewards(self) -> LockedRewards:
-        return self.maker.eval_rewards()
-
     def pending(self) -> int:
         """Samples in flight or buffered (call inside `locked()`, so the count matches the ledger)."""
 
