@@ -1,115 +1,91 @@
-"""Where the trainer's groups come from: prompts, generation through the rollout client, rewards, and the
-staleness policy that decides which groups may be generated and trained.
+"""Where the trainer's groups come from: generation through the rollout client, rewards, and the staleness
+policy that decides which groups may be generated and trained. The loop sees one interface, `Generator`:
 
-- `PromptStream`: the training prompts, reshuffled every epoch with a seed; its position is run state.
 - `SyncGenerator` (on_policy, fixed_lag): generates a step's groups with the current weights, then (for
   fixed_lag) passes them through the FIFO of the released code's simulation.
 - `AsyncGenerator` (bounded): a background thread keeps the servers busy with groups admitted by the
   StalenessController; the trainer takes finished groups earliest-deadline first.
 Every sample is registered in the SampleLedger when its group is admitted, so in-flight samples count as
-pending and the identity generated = consumed + dropped + pending always holds.
+pending and the identity generated = consumed + dropped + pending always holds. The prompts come from
+data.prompts (PromptStream, Tokenize).
 """
 from __future__ import annotations
 
-import gzip
-import json
 import queue
-import random
 import threading
 import time
 import zlib
-from pathlib import Path
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Optional, Protocol, runtime_checkable
 
+from m2po_megatron.data.prompts import PromptStream, Tokenize
 from m2po_megatron.rollout.samples import Group, Sample, sample_ids_for
 
 
-class PromptStream:
-    """Endless, seeded pass over the training prompts (one shuffle per epoch)."""
+@runtime_checkable
+class Generator(Protocol):
+    """What the loop asks of a generator, in the order it asks. A mode with nothing to do for a verb
+    (pausing a generator that only runs inside `next_groups`) does nothing."""
 
-    def __init__(self, rows: list[dict], seed: int):
-        if not rows:
-            raise ValueError("the training set is empty; check data.train_path")
-        self.rows, self.seed = rows, seed
-        self.epoch, self.pos = 0, 0
-        self._order = self._shuffle()
+    def start(self) -> None:
+        """Begin generating (the bounded mode's background thread); after set-up and the first evaluation."""
 
-    def _shuffle(self) -> list[int]:
-        order = list(range(len(self.rows)))
-        random.Random(self.seed + self.epoch).shuffle(order)
-        return order
+    def next_groups(self, version: int, timeout_s: float) -> list[Group]:
+        """The next batch of groups the trainer at `version` may train on (TimeoutError, RuntimeError)."""
 
-    def next(self) -> dict:
-        if self.pos >= len(self._order):
-            self.epoch, self.pos = self.epoch + 1, 0
-            self._order = self._shuffle()
-        row = self.rows[self._order[self.pos]]
-        self.pos += 1
-        return row
+    def locked(self) -> ContextManager:
+        """Held around ledger work and checkpoints: the generation thread writes the ledger too."""
+
+    def pending(self) -> int:
+        """Samples in flight or buffered (call inside `locked()`, so the count matches the ledger)."""
+
+    def on_step(self, version: int, updates: int) -> None:
+        """The trainer applied `updates` optimizer updates and is now at `version`."""
+
+    def needs_sync(self) -> bool:
+        """Whether the servers should get the trainer's weights after this step."""
+
+    def pause(self) -> None:
+        """Admit nothing new (while weights are pushed)."""
+
+    def resume(self) -> None:
+        """Admit again after `pause`."""
+
+    def on_sync(self, version: int) -> None:
+        """The servers now hold `version`."""
+
+    def stats(self, since: float) -> "GenStats":
+        """Reward-pool counters since the previous call and generated tokens per second since then (or
+        since `since`, the start of the first step)."""
+
+    def eval_rewards(self) -> "LockedRewards":
+        """The run's reward pool for evaluation, shared with generation (one caller at a time)."""
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
+        ...
 
     def load_state_dict(self, s: dict) -> None:
-        self.epoch, self.pos = s["epoch"], s["pos"]
-        self._order = self._shuffle()
+        ...
+
+    def close(self) -> None:
+        ...
 
 
-def load_prompt_rows(path: str) -> list[dict]:
-    """Rows of the project's training format (id, prompt, answer[, source]) from JSONL (or .json/.parquet
-    as `m2po prepare-data` writes them). Any problem is a ValueError naming the file and the line."""
-    p = Path(path)
-    if not p.name.endswith((".jsonl", ".jsonl.gz")) and p.name.endswith((".json", ".json.gz", ".parquet")):
-        from m2po_megatron.data.records import read_records
-
-        try:
-            numbered, report = read_records(p)
-        except (OSError, ImportError) as e:
-            raise ValueError(f"{path}: cannot read it ({e})") from None
-        if report.malformed:
-            m = report.malformed[0]
-            raise ValueError(f"{path}:{m['line']}: {m['reason']}; run `m2po prepare-data` on the raw file")
-    else:
-        try:
-            text = gzip.open(p, "rt").read() if p.name.endswith(".gz") else p.read_text()
-        except (OSError, UnicodeDecodeError, EOFError) as e:
-            raise ValueError(f"{path}: cannot read it as UTF-8 JSONL ({e})") from None
-        numbered = []
-        for i, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                numbered.append((i, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not valid JSON ({e}); run `m2po prepare-data` on the raw file") from None
-    rows = []
-    for i, row in numbered:
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise ValueError(f"{path}:{i}: a row needs a non-empty string 'prompt' (run `m2po prepare-data`)")
-        answer = row.get("answer")
-        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
-            raise ValueError(f"{path}:{i}: a row needs a non-empty 'answer' (a string or number; run "
-                             f"`m2po prepare-data`)")
-        row["answer"] = str(answer)
-        row.setdefault("id", f"row{i}")
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"{path}: no rows; prepare the data with `m2po prepare-data`")
-    return rows
+@dataclass
+class GenStats:
+    rewards: dict  # reward-pool counters since the previous call (timeouts, errors, verdicts)
+    tokens_per_s: float  # generated tokens per second of wall time since then (all servers together)
 
 
-class Tokenize:
-    """Final prompt text (train.load_data applied the prompt and chat templates) -> token ids."""
+class LockedRewards:
+    """The run's reward pool, shared with the generation thread (one caller at a time)."""
 
-    def __init__(self, tokenizer, max_prompt_len: int):
-        self.tok, self.max_len = tokenizer, max_prompt_len
+    def __init__(self, pool, lock):
+        self.pool, self.lock = pool, lock
 
-    def __call__(self, prompt: str) -> list[int]:
-        ids = self.tok(prompt, add_special_tokens=False)["input_ids"]  # its special tokens are in the text
-        if len(ids) > self.max_len:
-            raise ValueError(f"a prompt has {len(ids)} tokens > data.max_prompt_len = {self.max_len}; "
-                             f"filter the data or raise data.max_prompt_len: {prompt[:80]!r}")
-        return list(ids)
+    def score(self, responses, answers):
+        with self.lock:
+            return self.pool.score(responses, answers)
 
 
 class GroupMaker:
@@ -122,6 +98,7 @@ class GroupMaker:
         self.reward_lock = threading.Lock()  # the reward pool serves one caller at a time
         self.reward_stats: dict = {}
         self.gen_tokens, self.gen_seconds = 0, 0.0
+        self._tp_mark: Optional[tuple[float, int]] = None  # (time, gen_tokens) at the previous stats()
 
     def new_group(self, gid: str, row: dict) -> Group:
         return Group(group_id=gid, prompt_id=str(row["id"]), prompt_ids=self.tokenize(row["prompt"]),
@@ -155,6 +132,17 @@ class GroupMaker:
                 self.reward_stats[k] = self.reward_stats.get(k, 0) + v
         for s, r in zip(samples, scores):
             s.reward = float(r)
+
+    def stats(self, since: float) -> GenStats:
+        with self.reward_lock:
+            rewards, self.reward_stats = self.reward_stats, {}
+        now, tokens = time.perf_counter(), self.gen_tokens
+        last_t, last_tokens = self._tp_mark or (since, 0)
+        self._tp_mark = (now, tokens)
+        return GenStats(rewards, (tokens - last_tokens) / max(now - last_t, 1e-9))
+
+    def eval_rewards(self) -> LockedRewards:
+        return LockedRewards(self.rewards, self.reward_lock)
 
 
 class SyncGenerator:
@@ -205,6 +193,33 @@ class SyncGenerator:
             if out is not None:
                 return out.payload
             self.warmup_iterations += 1
+
+    def start(self) -> None:
+        pass  # generates inside next_groups
+
+    def locked(self) -> ContextManager:
+        return self.lock
+
+    def on_step(self, version: int, updates: int) -> None:
+        pass
+
+    def needs_sync(self) -> bool:
+        return True  # synchronous modes generate with the latest weights
+
+    def pause(self) -> None:
+        pass  # nothing runs between next_groups calls
+
+    def resume(self) -> None:
+        pass
+
+    def on_sync(self, version: int) -> None:
+        pass
+
+    def stats(self, since: float) -> GenStats:
+        return self.maker.stats(since)
+
+    def eval_rewards(self) -> LockedRewards:
+        return self.maker.eval_rewards()
 
     def pending(self) -> int:
         if self.queue is None:
@@ -330,6 +345,30 @@ class AsyncGenerator:
                                        f"are the rollout servers alive?")
                 self.lock.wait(timeout=min(1.0, left))
 
+    def locked(self) -> ContextManager:
+        return self.lock
+
+    def on_step(self, version: int, updates: int) -> None:
+        self.ctl.on_step(version, updates=updates)
+
+    def needs_sync(self) -> bool:
+        return self.ctl.needs_sync()
+
+    def pause(self) -> None:
+        self.paused.set()
+
+    def resume(self) -> None:
+        self.paused.clear()
+
+    def on_sync(self, version: int) -> None:
+        self.ctl.on_sync(version)
+
+    def stats(self, since: float) -> GenStats:
+        return self.maker.stats(since)
+
+    def eval_rewards(self) -> LockedRewards:
+        return self.maker.eval_rewards()
+
     def pending(self) -> int:
         """Samples in flight or buffered (call with `lock` held, so the count matches the ledger)."""
         return self.maker.n * len(self.inflight) + sum(len(g.samples) for g in self.finished.values())
@@ -371,3 +410,26 @@ def group_from_dict(d: dict) -> Group:
     return Group(group_id=d["group_id"], prompt_id=d["prompt_id"], prompt_ids=list(d["prompt_ids"]),
                  answer=d["answer"], samples=[Sample(**s) for s in d["samples"]])
 
+
+
+def rollout_sampling(cfg) -> dict:
+    """SGLang sampling_params of every training request (the generator adds the per-group seed)."""
+    r = cfg.rollout
+    return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}
+
+
+def make_generator(cfg, client, rewards, tokenizer, prompts: PromptStream, ledger, trainers) -> Generator:
+    """The generator of cfg.staleness.mode; `trainers` recompute behaviour log-probs when
+    staleness.behav_logprob_source = trainer."""
+    from m2po_megatron.staleness import FixedLagQueue, StalenessController
+
+    r, s, t = cfg.rollout, cfg.staleness, cfg.train
+    maker = GroupMaker(client, rewards, tokenizer, Tokenize(tokenizer, cfg.data.max_prompt_len),
+                       rollout_sampling(cfg), n=r.n_samples_per_prompt, seed=cfg.run.seed)
+    if s.mode == "bounded":
+        ctl = StalenessController(s.max_staleness, groups_per_step=t.prompts_per_step,
+                                  updates_per_step=t.updates_per_step, sync_interval=s.sync_interval)
+        return AsyncGenerator(maker, prompts, ledger, ctl, t.prompts_per_step)
+    lag = FixedLagQueue(s.lag_steps, t.updates_per_step) if s.mode == "fixed_lag" else None
+    recompute = trainers.recompute_behaviour_logprobs if s.behav_logprob_source == "trainer" else None
+    return SyncGenerator(maker, prompts, ledger, t.prompts_per_step, lag, recompute)

@@ -8,6 +8,8 @@ resumed run's metrics end where its checkpoint does.
 - `move_aside`: `--overwrite` renames the old run to RUN_DIR.replaced-TIME (kept, never deleted).
 - `truncate_metrics`: on resume, rows after the checkpoint's step go (they are recomputed), so every step
   appears once in metrics.jsonl.
+- `check_run_dir` (reads only, before anything starts) and `claim_run_dir` (the lock, --overwrite, resume
+  truncation) apply these rules for `m2po train`; `record_placement` writes RUN_DIR/placement.json.
 """
 from __future__ import annotations
 
@@ -18,7 +20,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from omegaconf import DictConfig
+
 from m2po_megatron.config import ConfigError
+from m2po_megatron.run.checkpoint import checkpoint_step
 
 LOCK = ".lock"
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints")
@@ -126,3 +131,47 @@ def truncate_metrics(path: Path, last_step: int) -> int:
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, path)
     return removed
+
+
+def check_run_dir(cfg: DictConfig, rdir: Path, ckpts):
+    """The checkpoint to resume from (None: start fresh), checked, and the refusal to start a new run over
+    another one. Reads only."""
+    if cfg.run.overwrite:  # start over: whatever is there is moved aside (claim_run_dir)
+        return None
+    resume_from = ckpts.resolve_resume(cfg.run.resume)  # a damaged checkpoint is found here (RunStateError)
+    if cfg.run.resume == "none":
+        refuse_if_used(rdir)
+    return resume_from
+
+
+def claim_run_dir(cfg: DictConfig, rdir: Path, ckpts, resume_from):
+    """Take the directory's lock; --overwrite moves an old run aside; a resume drops what came after its
+    checkpoint (metrics rows, newer checkpoints), so every step is logged once."""
+    if cfg.run.overwrite and rdir.exists():
+        old = RunDirLock(rdir).acquire()  # not while another process runs in it
+        moved = move_aside(rdir)
+        old.release()
+        if moved:
+            print(f"[m2po] --overwrite: the previous run in {rdir} was moved to {moved}", flush=True)
+    lock = RunDirLock(rdir).acquire()
+    step = checkpoint_step(resume_from)
+    if resume_from is not None and Path(resume_from).parent.resolve() == ckpts.root.resolve():
+        for p in ckpts.retire_newer(step):
+            print(f"[m2po] resuming from step {step}: the later checkpoint {p.name} is kept aside, not resumed",
+                  flush=True)
+    dropped = truncate_metrics(rdir / "metrics.jsonl", step if resume_from is not None else 0)
+    if dropped:
+        print(f"[m2po] metrics.jsonl: {dropped} row(s) after step {step} removed (they are recomputed)", flush=True)
+    if resume_from is not None:
+        print(f"[m2po] resuming from {resume_from} (step {step})", flush=True)
+    return lock
+
+
+def record_placement(rdir: Path, role: str, entries: list[dict]) -> None:
+    """One `[placement]` line per rank/server (the Slurm tests read them) and RUN_DIR/placement.json."""
+    for e in entries:
+        print(f"[placement] role={role} " + " ".join(f"{k}={v}" for k, v in e.items()), flush=True)
+    path = rdir / "placement.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[role] = entries
+    path.write_text(json.dumps(data, indent=1))

@@ -16,7 +16,7 @@ RECIPES = sorted(p.name for p in (ROOT / "recipes" / "paper").glob("*.yaml") if 
 @pytest.mark.parametrize("name", RECIPES)
 def test_paper_recipe_requests_fit_sglang(name):
     from m2po_megatron.config import load_config
-    from m2po_megatron.train import rollout_sampling
+    from m2po_megatron.rollout.generators import rollout_sampling
     from tests.contract.sglang_http import SGLangHTTP
 
     cfg = load_config(ROOT / "recipes" / "paper" / name, check_files=False)

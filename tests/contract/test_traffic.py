@@ -68,12 +68,11 @@ def _project_traffic(url: str, tiny_model_dir: str) -> None:
 
     from m2po_megatron.config import load_config
     from m2po_megatron.eval.rollout_generate import rollout_generate_fn
-    from m2po_megatron.rollout.generators import GroupMaker
+    from m2po_megatron.rollout.generators import GroupMaker, rollout_sampling
     from m2po_megatron.rollout.client import SyncRolloutClient
     from m2po_megatron.rollout.launcher import wait_healthy
     from m2po_megatron.rollout.weight_sync import DistributedWeightSync, hf_buckets
     from m2po_megatron.rollout.samples import Group
-    from m2po_megatron.train import rollout_sampling
 
     cfg = load_config(ROOT / "recipes" / "tiny-cpu.yaml", [f"rollout.max_new_tokens={CONTEXT // 4}",
                                                           f"model.hf_path={tiny_model_dir}"], check_files=False)

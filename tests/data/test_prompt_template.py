@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from m2po_megatron.config import ConfigError, load_config
+from m2po_megatron.data.loading import load_data
 from m2po_megatron.data.prepare import M2PO_TEMPLATE, final_prompts, prepare_rows
 from m2po_megatron.demo.tiny_tokenizer import build_tiny_tokenizer
-from m2po_megatron.train import load_data
 
 ROWS = [{"id": "a/0", "prompt": "What is 1+1?", "answer": "2", "problem": "What is 1+1?"},
         {"id": "a/1", "prompt": "What is 2+3?", "answer": "5", "problem": "What is 2+3?"}]

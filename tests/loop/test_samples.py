@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from m2po_megatron.rollout.generators import PromptStream, group_from_dict, group_to_dict
+from m2po_megatron.data.prompts import PromptStream
+from m2po_megatron.rollout.generators import group_from_dict, group_to_dict
 from m2po_megatron.rollout.samples import Group, Sample, build_step_batch, sample_ids_for
 from m2po_megatron.staleness import SampleLedger
 

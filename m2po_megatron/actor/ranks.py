@@ -1,0 +1,82 @@
+"""The trainer ranks from the driver: one Ray actor per Megatron rank, placed on the `trainer` nodes, and the
+calls the loop makes on them, each with a deadline."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from m2po_megatron.actor.options import actor_kwargs
+from m2po_megatron.run.checkpoint import resume_hint
+from m2po_megatron.run.rundir import record_placement
+
+
+def start_trainers(cfg: DictConfig, world: int, rdir: Path, ckpts) -> "Ranks":
+    """One Ray actor per Megatron rank on the `trainer` nodes; on GPUs, one placement group per node holding
+    gpus_per_node consecutive ranks (whole tensor-parallel groups), each building a MegatronActor from the recipe (actor.options.actor_kwargs)."""
+    import ray
+
+    from m2po_megatron.infra.cluster import PlacementTimeout, RankGroup
+    from m2po_megatron.actor.worker import TrainerWorker
+    from m2po_megatron.run.state import RunError
+
+    gpus = cfg.cluster.gpus_per_node
+    try:
+        group = RankGroup(TrainerWorker, world, gpus_per_rank=1 if gpus else 0, ranks_per_node=gpus or None,
+                          placement_timeout_s=cfg.cluster.timeout_s, timeout_s=cfg.cluster.timeout_s,
+                          env={"OMP_NUM_THREADS": 1, "M2PO_TRAINER_THREADS": 1})
+    except PlacementTimeout as e:
+        raise RunError(f"placing {world} trainer ranks: {e} (cluster.timeout_s)") from None
+    except ray.exceptions.GetTimeoutError:
+        raise RunError(f"placing {world} trainer ranks: not placed within cluster.timeout_s = "
+                       f"{cfg.cluster.timeout_s:.0f} s; do enough Ray nodes offer the 'trainer' resource"
+                       f"{' and GPUs' if gpus else ''}?") from None
+    trainers = Ranks(group, ckpts, cfg.cluster.timeout_s)
+    nodes = trainers.call("setup", actor_kwargs(cfg), what="building the Megatron ranks")
+    record_placement(rdir, "trainer", [{"rank": n["rank"], "node": n["hostname"], "ip": n["ip"], "pid": n["pid"]}
+                                       for n in nodes])
+    return trainers
+
+
+class Ranks:
+    """The trainer ranks as the loop calls them: every call has a deadline (cluster.timeout_s unless given),
+    and a rank that died or a deadline that passed becomes a RunError naming the call and the checkpoint
+    to resume from. Errors raised inside a rank pass through (the caller knows what they mean)."""
+
+    def __init__(self, group, ckpts, timeout_s: float):
+        self.group, self.ckpts, self.timeout_s = group, ckpts, timeout_s
+
+    def call(self, method: str, *args, timeout: float | None = None, what: str | None = None, **kwargs):
+        import ray
+
+        from m2po_megatron.run.state import RunError
+
+        what = what or f"{method} on the trainer ranks"
+        timeout = timeout or self.timeout_s
+        try:
+            return self.group.call(method, *args, timeout=timeout, **kwargs)
+        except ray.exceptions.GetTimeoutError:
+            raise RunError(f"{what}: no answer from the trainer ranks within {timeout:.0f} s; the run stops. "
+                           f"{resume_hint(self.ckpts)}") from None
+        except ray.exceptions.RayActorError as e:
+            raise RunError(f"a trainer rank died during {what} ({e.__class__.__name__}); the run stops. "
+                           f"{resume_hint(self.ckpts)}") from e
+
+    def recompute_behaviour_logprobs(self, groups) -> None:
+        """The released code's choice: behaviour log-probs from the trainer at the generating weights."""
+        import ray
+        import torch
+
+        from m2po_megatron.actor.batch import TrainBatch
+
+        samples = [s for g in groups for s in g.samples if s.output_ids and s.finish_reason != "abort"]
+        if not samples:
+            return
+        batch = TrainBatch(input_ids=[torch.tensor(s.prompt_ids + s.output_ids) for s in samples],
+                           prompt_lens=[len(s.prompt_ids) for s in samples])
+        logps = self.call("compute_log_probs", ray.put(batch), what="recomputing behaviour log-probs")[0]
+        for s, lp in zip(samples, logps):
+            s.logprobs = [float(x) for x in lp]
+
+    def kill(self) -> None:
+        self.group.kill()

@@ -1,0 +1,45 @@
+"""Evaluation during a run: avg@k pass@1 per benchmark through the rollout servers, printed and logged."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+
+class Evaluator:
+    """The run's eval sets, evaluated at the weights the servers hold (the loop syncs them to the trainer's
+    first), scored by the run's reward pool; tables in RUN_DIR/eval/."""
+
+    def __init__(self, cfg: DictConfig, client, tokenizer, eval_sets: list, rdir: Path, rewards):
+        self.cfg, self.client, self.tokenizer, self.eval_sets = cfg, client, tokenizer, eval_sets
+        self.rdir, self.rewards = rdir, rewards
+        self.enabled = bool(eval_sets)
+
+    def due(self, step: int) -> bool:
+        """An evaluation at this step by eval.interval (0: only before and after training)."""
+        interval = self.cfg.eval.interval
+        return self.enabled and interval > 0 and step % interval == 0
+
+    def __call__(self, step: int) -> dict:
+        """Evaluate, print the accuracy; returns the metrics to log."""
+        return report_eval(self.evaluate(step), step)
+
+    def evaluate(self, step: int) -> dict:
+        from m2po_megatron.eval.benchmarks import evaluate as run_eval
+        from m2po_megatron.eval.rollout_generate import rollout_generate_fn
+
+        cfg, e = self.cfg, self.cfg.eval
+        res = run_eval(rollout_generate_fn(self.client, seed=cfg.run.seed + 7919 * step), self.tokenizer,
+                       self.eval_sets, temperature=e.temperature, top_p=e.top_p,
+                       max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
+                       reward_pool=self.rewards, out_dir=self.rdir, step=step)
+        return {**res.metrics(), "time/eval": res.seconds}
+
+
+def report_eval(metrics: dict, step: int) -> dict:
+    """Print an evaluation's accuracy (the loop logs the same numbers); returns the metrics."""
+    per = [f"{k.split('/')[1]} {v:.1f}%" for k, v in metrics.items()
+           if k.endswith("/pass@1") and k != "eval/avg/pass@1"]
+    print(f"[m2po] eval at step {step}: pass@1 {metrics.get('eval/avg/pass@1', float('nan')):.1f}% "
+          f"({', '.join(per)})", flush=True)
+    return metrics

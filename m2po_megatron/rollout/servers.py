@@ -1,0 +1,80 @@
+"""The run's rollout servers from the driver: a fixed port checked before anything starts, the servers
+launched on the `rollout` nodes (or attached to), where they run recorded, and the client that talks to them."""
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from m2po_megatron.config import secret
+from m2po_megatron.run.rundir import record_placement
+
+
+def check_ports(cfg: DictConfig) -> None:
+    """A fixed rollout.port on this machine must be free now (port 0, the default, always is)."""
+    import socket
+
+    from m2po_megatron.config import ConfigError
+
+    r = cfg.rollout
+    if r.urls or not r.port or not r.host or cfg.cluster.ray_address != "local":
+        return
+    for port in range(r.port, r.port + r.num_servers):
+        with socket.socket(socket.AF_INET6 if ":" in r.host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((r.host, port))
+            except OSError as e:
+                raise ConfigError(f"rollout.port = {r.port}: port {port} on {r.host} is in use ({e.strerror}); use "
+                                  f"rollout.port=0 (each server binds a free port) or another port") from None
+
+
+def start_rollout_engines(cfg: DictConfig, rdir: Path):
+    """Launch the servers as Ray actors on the `rollout` nodes (SGLang on GPUs, our CPU server otherwise),
+    or attach to rollout.urls. Returns (manager or None, urls)."""
+    import ray
+
+    from m2po_megatron.infra.cluster import ROLLOUT_RESOURCE
+    from m2po_megatron.rollout.launcher import EngineManager, ServerSpec
+
+    r = cfg.rollout
+    api_key = secret(r.api_key, "M2PO_API_KEY")
+    if r.urls:
+        return None, EngineManager.attach(list(r.urls), api_key=api_key, timeout_s=r.health_timeout_s)
+    from m2po_megatron.run.state import RunError
+
+    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get(ROLLOUT_RESOURCE)]
+    if not nodes:
+        raise RunError(f"no Ray node offers the '{ROLLOUT_RESOURCE}' resource for rollout servers; start "
+                       f"rollout nodes with --resources='{{\"{ROLLOUT_RESOURCE}\": N}}' (slurm/ does)")
+    # Each server carries this run's identity; the launcher checks it before the run uses a server, so a
+    # run never talks to another run's server. Port 0: the launcher binds a free port itself.
+    identity = f"m2po-{uuid.uuid4().hex[:12]}"
+    specs = [ServerSpec(model_path=str(Path(cfg.model.hf_path).resolve()), engine=r.engine, host=r.host or "auto",
+                        port=r.port + i if r.port else 0, tp_size=r.tp_size, dp_size=r.dp_size,
+                        mem_fraction_static=r.mem_fraction_static, context_length=r.context_length,
+                        dtype=r.dtype, quantization=r.quantization, api_key=api_key,
+                        random_seed=cfg.run.seed + i, weight_version="0", served_model_name=identity,
+                        enable_deterministic_inference=r.deterministic_inference)
+             for i in range(r.num_servers)]
+    pinned = [nodes[i % len(nodes)] for i in range(r.num_servers)]
+    mgr = EngineManager(specs, run_dir=str(rdir), use_ray=True, max_restarts=r.max_restarts,
+                        health_timeout_s=r.health_timeout_s, node_ids=pinned,
+                        num_cpus_per_server=0, env={"OMP_NUM_THREADS": "1"})
+    urls = mgr.start()
+    by_id = {n["NodeID"]: n for n in ray.nodes()}
+    placed = [{"server": i, "node": by_id[nid]["NodeManagerHostname"], "ip": by_id[nid]["NodeManagerAddress"],
+               "url": url, "pid": info["pid"], "actor_pid": info["actor_pid"], "identity": identity}
+              for i, (nid, url, info) in enumerate(zip(pinned, urls, mgr.info()))]
+    record_placement(rdir, "rollout", placed)
+    return mgr, urls
+
+
+def make_client(cfg: DictConfig, urls: list[str]):
+    from m2po_megatron.rollout.client import SyncRolloutClient
+
+    r = cfg.rollout
+    return SyncRolloutClient(urls, api_key=secret(r.api_key, "M2PO_API_KEY"),
+                             max_concurrency_per_server=r.max_concurrency, request_timeout_s=r.request_timeout_s,
+                             max_retries=r.max_retries)

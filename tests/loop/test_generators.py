@@ -1,0 +1,140 @@
+"""The one interface the loop sees: both generators satisfy `Generator`, and its verbs do what the loop's
+direct reaches into them did (the controller driven exactly as before, pause around a weight push, the
+reward counters and generated tokens read once per step)."""
+import pytest
+
+from m2po_megatron.data.prompts import PromptStream, Tokenize
+from m2po_megatron.demo.tiny_tokenizer import build_tiny_tokenizer
+from m2po_megatron.reward import RewardPool
+from m2po_megatron.rollout.client import SampleResult
+from m2po_megatron.rollout.generators import AsyncGenerator, Generator, GroupMaker, SyncGenerator
+from m2po_megatron.rollout.updates import WeightUpdater
+from m2po_megatron.staleness import FixedLagQueue, SampleLedger, StalenessController
+
+ROWS = [{"id": f"r{i}", "prompt": f"What is {i}+1?", "answer": str(i + 1)} for i in range(6)]
+N = 2
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+def maker(tok, rewards=None) -> GroupMaker:
+    return GroupMaker(None, rewards, tok, Tokenize(tok, 64), {"temperature": 1.0}, n=N, seed=0)
+
+
+def controller() -> StalenessController:
+    return StalenessController(2, groups_per_step=2, updates_per_step=2, sync_interval=2)
+
+
+def async_gen(tok) -> AsyncGenerator:
+    return AsyncGenerator(maker(tok), PromptStream(ROWS, 0), SampleLedger(), controller(), 2)
+
+
+def test_both_generators_satisfy_the_protocol(tok):
+    sync = SyncGenerator(maker(tok), PromptStream(ROWS, 0), SampleLedger(), 2, FixedLagQueue(1, 2))
+    for gen in (sync, async_gen(tok)):
+        assert isinstance(gen, Generator), type(gen).__name__
+    assert not isinstance(object(), Generator)  # the check does look at the methods
+
+
+def take_batch(ctl: StalenessController, tag: str) -> None:
+    """Admission, generation and one batch taken, as the generator does them."""
+    ids = [f"{tag}/{i}" for i in range(ctl.capacity())]
+    ctl.try_admit(ids)
+    for gid in ids:
+        ctl.on_generated(gid, ctl.server_version)
+    ctl.on_consumed(ctl.select_batch())
+
+
+def test_on_step_and_on_sync_drive_the_controller_as_before(tok):
+    gen, direct = async_gen(tok), controller()
+    version = 0
+    for step, applied in enumerate((2, 0, 2)):  # the loop's sequence over 3 steps: one trained nothing
+        for ctl in (gen.ctl, direct):
+            take_batch(ctl, f"s{step}")
+        version += applied
+        gen.on_step(version, updates=applied)  # what the loop calls now
+        direct.on_step(version, updates=applied)  # what it called before
+        assert gen.needs_sync() == direct.needs_sync()
+        if gen.needs_sync():
+            gen.on_sync(version)
+            direct.on_sync(version)
+        assert gen.ctl.state_dict() == direct.state_dict()
+    assert gen.ctl.server_version == version == 4
+
+
+def test_sync_generator_always_syncs_and_has_nothing_to_pause(tok):
+    gen = SyncGenerator(maker(tok), PromptStream(ROWS, 0), SampleLedger(), 2)
+    before = gen.state_dict()
+    gen.start(), gen.pause(), gen.on_step(2, updates=2), gen.on_sync(2), gen.resume()
+    assert gen.needs_sync() and gen.state_dict() == before and gen.pending() == 0
+    with gen.locked():  # the loop's ledger lock is the generator's
+        assert gen.lock.locked()
+
+
+def test_stats_are_read_once_per_step(tok):
+    with RewardPool(num_workers=1, timeout_s=20.0) as pool:
+        m = maker(tok, pool)
+        g = m.new_group("g0", ROWS[0])
+        out = [SampleResult(output_ids=tok(t, add_special_tokens=False)["input_ids"], output_logprobs=[],
+                            token_versions=[], finish_reason="stop", prompt_tokens=3, weight_version=0)
+               for t in (r"\boxed{1}", "no idea")]
+        for s, o in zip(m.fill(g, out).samples, out):
+            s.logprobs, s.versions = [-1.0] * len(o.output_ids), [0] * len(o.output_ids)
+        m.score([g])
+        gen = SyncGenerator(m, PromptStream(ROWS, 0), SampleLedger(), 1)
+        first = gen.stats(since=0.0)
+        assert first.rewards and sum(v for k, v in first.rewards.items() if k.startswith("reward/")) > 0
+        assert first.tokens_per_s > 0
+        again = gen.stats(since=0.0)  # nothing new since the previous call
+        assert again.rewards == {} and again.tokens_per_s == 0.0
+        scores, _ = gen.eval_rewards().score([r"\boxed{2}", "x"], ["2", "2"])  # the same pool, for evaluation
+        assert list(scores) == [1.0, 0.0]
+
+
+class RecordingRanks:
+    """Stands in for the trainer ranks' `call` (a Ray round trip): records what the generator looked like
+    while the weights were pushed."""
+
+    def __init__(self, gen):
+        self.gen, self.calls = gen, []
+
+    def call(self, method, *args, **kwargs):
+        self.calls.append((method, args, self.gen.paused.is_set(), self.gen.ctl.server_version))
+        return [{"seconds": 0.5, "bytes": 10, "note": "not a number"}]
+
+
+def test_weight_push_pauses_admission_and_tells_the_controller(tok):
+    gen = async_gen(tok)
+    ranks = RecordingRanks(gen)
+    weights = WeightUpdater(None, ranks, None, ["http://unused"])
+    weights.attach(gen)
+    take_batch(gen.ctl, "a")
+    gen.on_step(2, updates=2)
+    stats = weights.push(2)
+    assert ranks.calls == [("sync_weights", (2,), True, 0)]  # paused during the push, controller told after
+    assert not gen.paused.is_set() and gen.ctl.server_version == 2 and weights.synced == 2
+    assert stats == {"weight_sync/seconds": 0.5, "weight_sync/bytes": 10}
+    weights.watch_restarts()
+    assert weights.resync_restarted(2) == {}  # attached servers (no launcher): nothing restarts them
+
+
+def test_a_failed_push_still_resumes_generation(tok):
+    gen = async_gen(tok)
+
+    class Failing:
+        def call(self, *a, **k):
+            raise RuntimeError("sync failed")
+
+    weights = WeightUpdater(None, Failing(), None, [])
+    weights.attach(gen)
+    with pytest.raises(RuntimeError):
+        weights.push(2)
+    assert not gen.paused.is_set() and weights.synced == 0
+
+
+def test_locked_is_the_lock_the_generation_thread_takes(tok):
+    gen = async_gen(tok)
+    assert gen.locked() is gen.lock  # _admit, _finish and next_groups take it
