@@ -59,10 +59,8 @@ async def _request(url: str, data: bytes | None, method: str, headers: dict, tim
         raise
     except asyncio.TimeoutError as e:
         raise TimeoutError(f"{method} {url}: no answer within {timeout} s") from e
-    except aiohttp.ClientError as e:  # refused, reset, disconnected: an OSError, as for a socket
-        if isinstance(e, OSError):
-            raise
-        raise ConnectionError(f"{method} {url}: {e!r}") from e
+    except aiohttp.ClientError as e:  # refused, reset, disconnected
+        raise ConnectionError(f"{method} {url}: {e}") from e
 
 
 def request(url: str, body: dict | None = None, *, api_key: str | None = None, timeout: float = 30.0,
