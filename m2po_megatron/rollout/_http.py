@@ -11,7 +11,7 @@ import threading
 
 
 def auth_headers(api_key: str | None) -> dict:
-    """SGLang's --api-key check: a bearer token on every request but /health."""
+    """SGLang's --api-key: a bearer token (every endpoint but /health* checks it)."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
