@@ -26,6 +26,7 @@ def test_killed_server_requests_are_reissued_and_server_restarts(tiny_model_dir,
             async with RolloutClient([a.url, b.url], max_retries=3, retry_backoff_s=0.1) as client:
                 sp = {"max_new_tokens": 8, "ignore_eos": True}
                 tasks = [asyncio.create_task(client.generate([5 + i, 6, 7], sp, n=1)) for i in range(6)]
+
                 def dispatched():  # per_server is a fresh snapshot after each change
                     ps = client.stats.per_server
                     return ps and ps[a.url]["outstanding"] + ps[b.url]["outstanding"] + ps[b.url]["completed"]

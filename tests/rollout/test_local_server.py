@@ -165,6 +165,8 @@ def test_control_http_statuses_timeouts_and_refusals(server):
             _http.request(f"{server.url}/generate", body, api_key=KEY, timeout=0.5)
     finally:
         _http.post_ok(f"{server.url}/continue_generation", {}, api_key=KEY)
+    # the abandoned request still runs once continued (as in SGLang): let it finish before the next test
+    _wait_state(server.url, lambda s: s["held_by_pause"] == s["waiting"] == s["running"] == 0)
     with socket.socket() as s:  # bound, not listening: connections to it are refused
         s.bind(("127.0.0.1", 0))
         with pytest.raises(ConnectionError):
