@@ -42,9 +42,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def shared_dir():
-    """../shared beside the checkout (read-only data of the project's workplace); skip cleanly without it."""
+    """../shared beside the checkout (read-only data of the project's workplace: the DeepScaleR/eval files and
+    the configs the bundled ones were copied from). Only tests of that data use it; model tests use the configs
+    bundled in m2po_megatron/assets/configs."""
     if not SHARED.is_dir():
-        pytest.skip("../shared is absent")
+        pytest.skip("needs ../shared/data (the workplace's datasets and original HF configs), absent here")
     return SHARED
 
 

@@ -1,6 +1,6 @@
 """Lets megatron-core 0.19.x run on CPU over gloo. Active only when CUDA is absent; nothing else knows about it.
 
-megatron-core assumes a GPU in a handful of places (see docs/field-notes): tensors allocated with
+megatron-core assumes a GPU in a handful of places (docs/models.md, "megatron-core on CPU"): tensors allocated with
 `device="cuda"` / `torch.cuda.current_device()` / `.cuda()`, the CUDA RNG tracker, `torch.cuda.synchronize`,
 streams and events in DDP grad sync, and `param.type() == 'torch.cuda.FloatTensor'` checks in the optimizer.
 On a machine without CUDA the CPU *is* the device, so this module:

@@ -13,12 +13,11 @@ import concurrent.futures
 import dataclasses
 import itertools
 import random
-import threading
 import time
 import uuid
 from typing import Any, Sequence
 
-from m2po_megatron.rollout import protocol
+from m2po_megatron.rollout import _http, protocol
 
 
 @dataclasses.dataclass
@@ -111,9 +110,8 @@ class RolloutClient:
 
         if self._session is None:
             self._servers = [_Server(u, self.limit) for u in self.urls]
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             conn = aiohttp.TCPConnector(limit=0, limit_per_host=self.limit + 8, keepalive_timeout=60)
-            self._session = aiohttp.ClientSession(connector=conn, headers=headers)
+            self._session = aiohttp.ClientSession(connector=conn, headers=_http.auth_headers(self.api_key))
         return self._session
 
     def _timeout(self, total: float | None = None):
@@ -281,13 +279,11 @@ class SyncRolloutClient:
     """
 
     def __init__(self, urls: Sequence[str], **kwargs):
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
-        self._thread.start()
+        self._loop = _http.LoopThread("rollout-client")
         self.client = RolloutClient(urls, **kwargs)
 
     def _call(self, coro) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return self._loop.submit(coro)
 
     def submit(self, prompt_ids, sampling_params=None, n: int = 1, return_logprob: bool = True):
         return self._call(self.client.generate(prompt_ids, sampling_params, n, return_logprob))
@@ -310,7 +306,6 @@ class SyncRolloutClient:
         return self.client.stats
 
     def close(self) -> None:
-        if self._loop.is_running():
+        if self._loop.loop.is_running():
             self._call(self.client.close()).result(30)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+            self._loop.stop()

@@ -110,6 +110,7 @@ class LocalServer:
         self.model_update = RWLock()
         self.unpaused = asyncio.Event()  # SGLang's is_pause, inverted: /generate waits while it is clear
         self.unpaused.set()
+        self.held_by_pause = 0  # /generate requests waiting for continue_generation (in get_server_info)
         self.session: str | None = None  # the selector of the open weight-update session
         self._pause_lock = asyncio.Lock()
 
@@ -233,7 +234,7 @@ class LocalServer:
 
         info = {k: v for k, v in vars(self.args).items() if k != "api_key"}  # never echo the key
         info.update(version="m2po-local-cpu", engine="local", weight_version=self.engine.weight_version,
-                    internal_states=[self.engine.stats()])
+                    internal_states=[dict(self.engine.stats(), held_by_pause=self.held_by_pause)])
         return web.json_response(info)
 
     async def flush_cache(self, request):
@@ -318,7 +319,11 @@ class LocalServer:
             jobs.append((p[:kept], request_params(sp, max_new), int(sp["n"]), rid or uuid.uuid4().hex))
         if not self.engine.alive():
             return _json_error(503, f"engine stopped: {self.engine.error!r}")
-        await self.unpaused.wait()  # SGLang: new requests wait while generation is paused
+        self.held_by_pause += 1  # SGLang: new requests wait while generation is paused
+        try:
+            await self.unpaused.wait()
+        finally:
+            self.held_by_pause -= 1
         t0 = time.monotonic()
         async with self.model_update.reader():
             results = await asyncio.gather(*(self._run(*job) for job in jobs))

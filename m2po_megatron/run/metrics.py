@@ -12,7 +12,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from m2po_megatron.config import is_secret, redact
 
@@ -184,10 +184,3 @@ class Progress:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def track(items: Iterable, total: int, desc: str = "", **kw):
-    with Progress(total, desc, **kw) as p:
-        for x in items:
-            yield x
-            p.update()

@@ -17,21 +17,23 @@ INLINE_QWEN2_UNTIED = {  # always available: written here
     "rope_theta": 10000.0, "tie_word_embeddings": False, "attention_dropout": 0.0, "use_sliding_window": False,
     **TINY,
 }
-SHARED = {  # name -> (dir under ../shared/data/configs, overrides)
-    "qwen2_tied": ("Qwen__Qwen2.5-0.5B", {"tie_word_embeddings": True}),
-    "qwen3": ("Qwen__Qwen3-0.6B", {"head_dim": 32}),
-    "llama32": ("meta-llama__Llama-3.2-3B", {"head_dim": 16, "rope_scaling": {
+# The HF configs the package bundles (the recipes' models), so every checkout tests every family.
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "m2po_megatron", "assets", "configs")
+BUNDLED = {  # name -> (dir under CONFIGS, overrides)
+    "qwen2_tied": ("Qwen__Qwen2.5-32B", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen__Qwen3-1.7B-Base", {"head_dim": 32}),
+    "llama32": ("meta-llama__Llama-3.2-3B-Instruct", {"head_dim": 16, "rope_scaling": {
         "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 16,
         "rope_type": "llama3"}}),
 }
 
 
-def tiny_config(name: str, shared_dir: str | None = None) -> dict:
+def tiny_config(name: str) -> dict:
     if name == "qwen2_untied":
         d = dict(INLINE_QWEN2_UNTIED)
     else:
-        sub, over = SHARED[name]
-        with open(os.path.join(shared_dir, "data", "configs", sub, "config.json")) as f:
+        sub, over = BUNDLED[name]
+        with open(os.path.join(CONFIGS, sub, "config.json")) as f:
             d = json.load(f)
         d.update(TINY)
         d.update(over)
@@ -95,14 +97,14 @@ def _maxdiff(a, b):
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
-def logprob_worker(names, shared_dir, layouts):
+def logprob_worker(names, layouts):
     """For each config and (tp, pp) layout: max |log-prob diff| and |entropy diff| vs HF."""
     from m2po_megatron.actor.actor import MegatronActor
     from m2po_megatron.convert.export import gather_hf_state_dict
 
     out = {}
     for name in names:
-        cfg = tiny_config(name, shared_dir)
+        cfg = tiny_config(name)
         hf = make_hf_model(cfg)
         batch = make_batch(vocab=cfg["vocab_size"])
         ref_lp, ref_ent = hf_log_probs(hf, batch)
@@ -116,7 +118,7 @@ def logprob_worker(names, shared_dir, layouts):
     return out
 
 
-def train_worker(name, shared_dir, jobs):
+def train_worker(name, jobs):
     """Run train jobs in order in this process group; each job is a dict:
     tp, pp, optimizer ('sgd'|'adam'), micro_batch_tokens, num_minibatches, save (dir or None), load (dir or
     None). A job without `load` runs train_step on batch A and returns metrics + HF-named weights; a job with
@@ -125,7 +127,7 @@ weights after it."""
     from m2po_megatron.actor.actor import MegatronActor
     from m2po_megatron.convert.export import gather_hf_state_dict
 
-    cfg = tiny_config(name, shared_dir)
+    cfg = tiny_config(name)
     hf = make_hf_model(cfg)
     batch_a = make_batch(n=8, vocab=cfg["vocab_size"], ref_model=hf)
     batch_b = make_batch(n=8, vocab=cfg["vocab_size"], ref_model=hf, seed=7)
@@ -204,7 +206,7 @@ def _packed_row(vocab: int, lens: list[int], pad: int = 0, seed: int = 3):
     return b, (mb.padded_to(mb.seq_len + pad) if pad else mb)
 
 
-def attention_worker(names, shared_dir):
+def attention_worker(names):
     """The sdpa backend against HF transformers (each sequence alone) and against megatron's dense-mask path
     on one packed row (3 sequences + trailing padding), fp32: logits, and gradients of a fixed random
     projection of the logits w.r.t. the weights whose layout is the same in HF and Megatron at TP1
@@ -216,7 +218,7 @@ def attention_worker(names, shared_dir):
     init_distributed()
     out = {}
     for name in names:
-        cfg = tiny_config(name, shared_dir)
+        cfg = tiny_config(name)
         hf = make_hf_model(cfg)
         batch, mb = _packed_row(cfg["vocab_size"], [9, 14, 6], pad=3)
         w = torch.randn(mb.seq_len, cfg["vocab_size"], generator=torch.Generator().manual_seed(5))

@@ -1,30 +1,16 @@
 """Megatron actor on CPU/gloo in several processes, against HF transformers and against itself at TP1."""
-import os
-
 import pytest
 
 import actor_workers as w
 from m2po_megatron.actor.launch import run_multiprocess
 
 
-def _shared_names(shared_dir):
-    have = [n for n, (sub, _) in w.SHARED.items()
-            if os.path.isfile(os.path.join(shared_dir, "data", "configs", sub, "config.json"))]
-    return have
-
-
 @pytest.mark.timeout(400)
-def test_log_probs_match_hf_tp1_dp2_tp2_pp2(request):
+def test_log_probs_match_hf_tp1_dp2_tp2_pp2():
     """fp32 log-probs (and entropy) equal transformers' at DP2 (TP1), TP2 and PP2, for the inline untied
-    Qwen2 and, when ../shared is present, tied Qwen2, Qwen3 and Llama-3.2 shrunk from real configs."""
-    names = ["qwen2_untied"]
-    shared = None
-    try:
-        shared = str(request.getfixturevalue("shared_dir"))
-        names += _shared_names(shared)
-    except pytest.skip.Exception:
-        pass
-    out = run_multiprocess(w.logprob_worker, 2, args=(names, shared, [(1, 1), (2, 1), (1, 2)]), timeout=380)
+    Qwen2 and tied Qwen2, Qwen3 and Llama-3.2 shrunk from the bundled configs."""
+    names = ["qwen2_untied", *w.BUNDLED]
+    out = run_multiprocess(w.logprob_worker, 2, args=(names, [(1, 1), (2, 1), (1, 2)]), timeout=380)
     for rank_out in out:
         for (name, tp, pp), (d_lp, d_ent, dp) in rank_out.items():
             assert d_lp <= 1e-5, f"{name} tp{tp} pp{pp}: max |log-prob diff| {d_lp}"
@@ -35,7 +21,7 @@ def test_log_probs_match_hf_tp1_dp2_tp2_pp2(request):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_log_probs_match_hf_tp2_pp2():
-    out = run_multiprocess(w.logprob_worker, 4, args=(["qwen2_untied"], None, [(2, 2)]), timeout=580)
+    out = run_multiprocess(w.logprob_worker, 4, args=(["qwen2_untied"], [(2, 2)]), timeout=580)
     for rank_out in out:
         for key, (d_lp, _, _) in rank_out.items():
             assert d_lp <= 1e-5, f"{key}: {d_lp}"
@@ -53,12 +39,12 @@ def test_train_step_layouts_match_tp1_and_checkpoint_reshards(tmp_path):
              dict(tp=2, pp=1, optimizer="adam", distopt=False, save=ck),
              dict(tp=1, pp=1, optimizer="adam", distopt=True, save=dck),
              dict(tp=1, pp=1, optimizer="adam", distopt=True, load=dck)]
-    r2 = run_multiprocess(w.train_worker, 2, args=("qwen2_untied", None, jobs2), timeout=380)
+    r2 = run_multiprocess(w.train_worker, 2, args=("qwen2_untied", jobs2), timeout=380)
     jobs1 = [dict(tp=1, pp=1, num_minibatches=2, mbt=1000),
              dict(tp=1, pp=1, optimizer="adam", distopt=False, load=ck),
              dict(tp=1, pp=1, optimizer="adam", distopt=True, load=dck),
              dict(tp=1, pp=1, optimizer="adam", distopt=False, load=dck, expect_error=True)]
-    r1 = run_multiprocess(w.train_worker, 1, args=("qwen2_untied", None, jobs1), timeout=240)[0]
+    r1 = run_multiprocess(w.train_worker, 1, args=("qwen2_untied", jobs1), timeout=240)[0]
     ref = r1[0]
     init = ref["weights"]  # sanity: the step changed the weights and the mask dropped tokens
     assert ref["moved"] > 1e-3  # the updates changed the weights

@@ -1,7 +1,5 @@
 """The sdpa attention backend (PyTorch's fused attention per packed sequence) against HF transformers, against
 megatron's dense-mask path and against a float64 reference, in forward and gradients (CPU, fp32)."""
-import os
-
 import pytest
 
 import actor_workers as w
@@ -9,16 +7,9 @@ from m2po_megatron.actor.launch import run_multiprocess
 
 
 @pytest.mark.timeout(400)
-def test_sdpa_backend_matches_hf_and_the_dense_path(request):
-    names = ["qwen2_untied"]
-    shared = None
-    try:
-        shared = str(request.getfixturevalue("shared_dir"))
-        names += [n for n, (sub, _) in w.SHARED.items()
-                  if os.path.isfile(os.path.join(shared, "data", "configs", sub, "config.json"))]
-    except pytest.skip.Exception:
-        pass
-    out = run_multiprocess(w.attention_worker, 1, args=(names, shared), timeout=380)[0]
+def test_sdpa_backend_matches_hf_and_the_dense_path():
+    names = ["qwen2_untied", *w.BUNDLED]
+    out = run_multiprocess(w.attention_worker, 1, args=(names,), timeout=380)[0]
     for name, r in out.items():
         assert r["hf_logits"] <= 1e-5, (name, r)
         assert r["dense_logits"] <= 1e-5, (name, r)

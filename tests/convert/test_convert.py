@@ -10,21 +10,16 @@ from safetensors.torch import load_file, save_file
 from m2po_megatron.cli import main as cli
 from m2po_megatron.convert import checkpoint as C
 from m2po_megatron.models import CheckpointMismatchError, UnsupportedModelError
-from tests_conf_shared import shared_path
 from tiny import make_hf_model, tiny_config
 
 ARCHS = ["qwen2_untied", "qwen2_tied", "qwen3", "llama32"]
-
-
-def _archs():
-    return ARCHS if shared_path() is not None else ["qwen2_untied"]
 
 
 def _hf_dir(tmp, name):
     d = tmp / f"hf_{name}"
     if not d.exists():
         torch.manual_seed(0)
-        make_hf_model(tiny_config(name, shared_path()), seed=2).save_pretrained(d)
+        make_hf_model(tiny_config(name), seed=2).save_pretrained(d)
     return d
 
 
@@ -42,7 +37,7 @@ def work(tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", _archs())
+@pytest.mark.parametrize("name", ARCHS)
 def test_round_trip_bit_exact_with_verify(work, name, capsys):
     hf = _hf_dir(work, name)
     mc, back = work / f"mc_{name}", work / f"back_{name}"
@@ -58,7 +53,7 @@ def test_round_trip_bit_exact_with_verify(work, name, capsys):
     import transformers
 
     m = transformers.AutoModelForCausalLM.from_pretrained(back)
-    assert m.config.architectures == tiny_config(name, shared_path())["architectures"]
+    assert m.config.architectures == tiny_config(name)["architectures"]
 
 
 def test_verify_fails_on_wrong_weights(work, capsys):
@@ -215,7 +210,7 @@ def test_writer_shards_and_index(work):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_saved_at_tp2_pp2_converts_to_same_hf(work, tp, pp):
-    name = "qwen2_tied" if shared_path() is not None else "qwen2_untied"
+    name = "qwen2_tied"
     hf = _hf_dir(work, name)
     mc = work / f"mc_{name}_{tp}{pp}"
     assert cli(["convert", "hf-to-megatron", "--hf", str(hf), "--out", str(mc), "--tp", str(tp),
@@ -232,7 +227,7 @@ def test_saved_at_tp2_pp2_converts_to_same_hf(work, tp, pp):
 def test_export_iterator_tp2_equals_hf(work, tmp_path):
     from mp import run_ranks
 
-    name = "qwen3" if shared_path() is not None else "qwen2_untied"
+    name = "qwen3"
     hf = _hf_dir(work, name)
     bucket_mb = 0.05  # ~52 kB: several buckets, some tensors alone
     run_ranks(os.path.join(os.path.dirname(__file__), "export_worker.py"),

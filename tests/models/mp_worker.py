@@ -1,7 +1,7 @@
 """One rank of the multi-process model tests: builds tiny HF models, loads them into Megatron at the requested
 TP/PP layout, runs the same tokens through both and writes the max |logits diff| per model to OUT/rank{R}.json.
 
-Usage (env RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): python mp_worker.py TP PP SHARED OUT name [name...]"""
+Usage (env RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): python mp_worker.py TP PP OUT name [name...]"""
 import json
 import os
 import sys
@@ -35,7 +35,7 @@ def forward_logits(model, ids, pos):
 
 
 def main():
-    tp, pp, shared, out_dir, *names = sys.argv[1:]
+    tp, pp, out_dir, *names = sys.argv[1:]
     torch.set_num_threads(1)
     from m2po_megatron import models
     from m2po_megatron.actor import parallel
@@ -44,7 +44,7 @@ def main():
     parallel.init_distributed(tensor_model_parallel_size=int(tp), pipeline_model_parallel_size=int(pp))
     results = {}
     for name in names:
-        cfg = tiny_config(name, shared)
+        cfg = tiny_config(name)
         hf = make_hf_model(cfg, seed=1)
         tc = models.transformer_config_from_hf(cfg, pipeline_dtype=torch.float32)
         m = models.build_gpt_model(cfg, tc)

@@ -3,7 +3,7 @@ import pytest
 
 from m2po_megatron.models import UnsupportedModelError, read_hf_config
 from m2po_megatron.models.weights import expected_hf_names, megatron_names, rule_for, to_hf, to_megatron_shard
-from tiny import INLINE_QWEN2, tiny_config
+from tiny import CONFIGS, INLINE_QWEN2, tiny_config
 
 
 def test_qwen2_inline():
@@ -29,17 +29,17 @@ def test_transformers5_rope_parameters():
     assert read_hf_config(cfg).rope_theta == 12345.0
 
 
-def test_from_pretrained_config_object(shared_dir):
+def test_from_pretrained_config_object():
     import transformers
 
-    cfg = transformers.AutoConfig.from_pretrained(shared_dir / "data/configs/meta-llama__Llama-3.2-3B")
+    cfg = transformers.AutoConfig.from_pretrained(CONFIGS / "meta-llama__Llama-3.2-3B-Instruct")
     s = read_hf_config(cfg)
     assert s.rope_theta == 500000.0 and s.rope_scaling["factor"] == 32.0 and s.head_dim == 128
     assert s.tie_word_embeddings and s.num_key_value_heads == 8
 
 
-def test_qwen3_head_dim(shared_dir):
-    s = read_hf_config(tiny_config("qwen3", shared_dir))
+def test_qwen3_head_dim():
+    s = read_hf_config(tiny_config("qwen3"))
     assert s.qk_norm and s.head_dim == 32 and s.head_dim * s.num_attention_heads != s.hidden_size
 
 

@@ -22,25 +22,12 @@ def megatron_tp1():
     parallel.destroy_distributed()
 
 
-def _cfg(name, shared):
-    if name != "qwen2_untied" and shared is None:
-        pytest.skip("../shared configs absent")
-    return tiny_config(name, shared)
-
-
-@pytest.fixture(scope="module")
-def shared_or_none():
-    from tests_conf_shared import shared_path
-
-    return shared_path()
-
-
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("name", ARCHS)
-def test_tp1_logits_match_hf(megatron_tp1, shared_or_none, name):
+def test_tp1_logits_match_hf(megatron_tp1, name):
     from m2po_megatron import models
 
-    cfg = _cfg(name, shared_or_none)
+    cfg = tiny_config(name)
     hf = make_hf_model(cfg)
     m = models.build_gpt_model(cfg, models.transformer_config_from_hf(cfg))
     assert models.load_hf_weights(m, hf) == sum(1 for _ in m.parameters())
@@ -58,11 +45,11 @@ def test_tp1_logits_match_hf(megatron_tp1, shared_or_none, name):
             assert (plain(input_ids=ids).logits - ref).abs().max().item() > 1e-3
 
 
-def _run(tp, pp, names, shared, tmp_path, timeout):
+def _run(tp, pp, names, tmp_path, timeout):
     from mp import run_ranks
 
     run_ranks(os.path.join(os.path.dirname(__file__), "mp_worker.py"),
-              [str(tp), str(pp), str(shared), str(tmp_path), *names], tp * pp, timeout=timeout)
+              [str(tp), str(pp), str(tmp_path), *names], tp * pp, timeout=timeout)
     results = [json.load(open(f)) for f in sorted(glob.glob(str(tmp_path / "rank*.json")))]
     assert len(results) == tp * pp
     merged = {}
@@ -73,21 +60,17 @@ def _run(tp, pp, names, shared, tmp_path, timeout):
         assert diff <= TOL, (name, diff)
 
 
-def _names(shared):
-    return ARCHS if shared is not None else ["qwen2_untied"]
+@pytest.mark.timeout(300)
+def test_tp2_logits_match_hf(tmp_path):
+    _run(2, 1, ARCHS, tmp_path, 280)
 
 
 @pytest.mark.timeout(300)
-def test_tp2_logits_match_hf(shared_or_none, tmp_path):
-    _run(2, 1, _names(shared_or_none), shared_or_none, tmp_path, 280)
-
-
-@pytest.mark.timeout(300)
-def test_pp2_logits_match_hf(shared_or_none, tmp_path):
-    _run(1, 2, _names(shared_or_none), shared_or_none, tmp_path, 280)
+def test_pp2_logits_match_hf(tmp_path):
+    _run(1, 2, ARCHS, tmp_path, 280)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_tp2_pp2_logits_match_hf(shared_or_none, tmp_path):
-    _run(2, 2, _names(shared_or_none), shared_or_none, tmp_path, 580)
+def test_tp2_pp2_logits_match_hf(tmp_path):
+    _run(2, 2, ARCHS, tmp_path, 580)

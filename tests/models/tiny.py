@@ -2,23 +2,28 @@
 from __future__ import annotations
 
 import json
-import os
+import pathlib
+
+import m2po_megatron
+
+# The HF configs the package bundles (the recipes' models): every test can read them, no ../shared needed.
+CONFIGS = pathlib.Path(m2po_megatron.__file__).resolve().parent / "assets" / "configs"
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
 
-# Always available (no ../shared needed): a small Qwen2 written here.
+# A small Qwen2 written here.
 INLINE_QWEN2 = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu", "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float32", "attention_dropout": 0.0,
     "use_sliding_window": False, **TINY,
 }
 
-# name -> (shared config dir, overrides on top of TINY)
-SHARED_CONFIGS = {
-    "qwen2_tied": ("Qwen__Qwen2.5-0.5B", {"tie_word_embeddings": True}),
-    "qwen3": ("Qwen__Qwen3-0.6B", {"head_dim": 32, "tie_word_embeddings": False}),
-    "llama32": ("meta-llama__Llama-3.2-3B", {"head_dim": 16, "tie_word_embeddings": True,
+# name -> (bundled config dir, overrides on top of TINY)
+BUNDLED = {
+    "qwen2_tied": ("Qwen__Qwen2.5-32B", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen__Qwen3-1.7B-Base", {"head_dim": 32, "tie_word_embeddings": False}),
+    "llama32": ("meta-llama__Llama-3.2-3B-Instruct", {"head_dim": 16, "tie_word_embeddings": True,
                                              "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0,
                                                               "low_freq_factor": 1.0,
                                                               "original_max_position_embeddings": 64,
@@ -26,13 +31,12 @@ SHARED_CONFIGS = {
 }
 
 
-def tiny_config(name: str, shared=None, **extra) -> dict:
+def tiny_config(name: str, **extra) -> dict:
     if name == "qwen2_untied":
         d = dict(INLINE_QWEN2)
     else:
-        sub, over = SHARED_CONFIGS[name]
-        with open(os.path.join(shared, "data", "configs", sub, "config.json")) as f:
-            d = json.load(f)
+        sub, over = BUNDLED[name]
+        d = json.loads((CONFIGS / sub / "config.json").read_text())
         d.update(TINY)
         d.update(over)
     d.update(extra)

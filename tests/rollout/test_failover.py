@@ -1,48 +1,70 @@
-"""A server killed mid-run: its requests are re-issued on the other server and counted; the killed server is
-restarted (bounded) and serves again. Start errors are clear and come before anything starts."""
+"""A server killed with requests in flight: they are re-issued on the other server, answered there and counted;
+the killed server is restarted (bounded) and serves again. Start errors are clear and come before anything starts."""
 import asyncio
+import json
 import os
 import socket
+import time
 
 import pytest
 
+from m2po_megatron.rollout import _http
 from m2po_megatron.rollout.client import RolloutClient
-from m2po_megatron.rollout.launcher import ServerSpec, ServerStartError, preflight
+from m2po_megatron.rollout.launcher import ServerSpec, ServerStartError, preflight, wait_healthy
 from tests.rollout.conftest import local_server
 
 pytestmark = pytest.mark.timeout(280)
 
 
 def test_killed_server_requests_are_reissued_and_server_restarts(tiny_model_dir, tmp_path):
+    """Server a holds its requests (paused), so none can finish there before it dies: every one of them must
+    be re-issued and answered by b, and the counters say so request by request."""
     with local_server(tiny_model_dir, tmp_path, max_restarts=1) as a, local_server(tiny_model_dir, tmp_path) as b:
+        _http.post_ok(f"{a.url}/pause_generation", {"mode": "in_place"})
 
         async def scenario():
             async with RolloutClient([a.url, b.url], max_retries=3, retry_backoff_s=0.1) as client:
-                sp = {"max_new_tokens": 200, "ignore_eos": True}
+                sp = {"max_new_tokens": 8, "ignore_eos": True}
                 tasks = [asyncio.create_task(client.generate([5 + i, 6, 7], sp, n=1)) for i in range(6)]
-                while client.stats.per_server.get(a.url, {}).get("outstanding", 0) == 0:
-                    await asyncio.sleep(0.05)
-                a.kill()  # at once: 200 tokens cannot finish first, so at least one request must be re-issued
+
+                def dispatched():  # per_server is a fresh snapshot after each change
+                    ps = client.stats.per_server
+                    return ps and ps[a.url]["outstanding"] + ps[b.url]["outstanding"] + ps[b.url]["completed"]
+
+                while dispatched() != 6:
+                    await asyncio.sleep(0.01)  # until every request went to a server
+                on_a = client.stats.per_server[a.url]["outstanding"]  # constant now: a answers nothing while paused
+                await asyncio.to_thread(_wait_held, a.url, on_a)  # all of them arrived at a
+                a.kill()
                 results = await asyncio.gather(*tasks)
-                return results, client.stats
+                return results, client.stats, on_a
 
-        results, stats = asyncio.run(scenario())
-        assert all(len(r[0].output_ids) == 200 for r in results)
-        assert stats.reissued >= 1 and stats.failed == 0 and stats.completed == 6
-        assert all(r[0].server == b.url for r in results if r[0].server != a.url)
+        results, stats, on_a = asyncio.run(scenario())
+        assert [r[0].server for r in results] == [b.url] * 6  # a answered nothing
+        assert all(len(r[0].output_ids) == 8 for r in results)
+        assert stats.reissued == on_a == stats.per_server[a.url]["errors"] and on_a >= 1
+        assert stats.per_server[a.url]["completed"] == 0 and stats.per_server[b.url]["completed"] == 6
+        assert stats.failed == 0 and stats.completed == 6
         # the watchdog restarts the killed server once (max_restarts=1) and it serves again
-        import time
-
         deadline = time.monotonic() + 180
         while not (a.restarts == 1 and a.alive() and a.last_error is None):
             assert time.monotonic() < deadline, a.info()
             time.sleep(0.5)
-        from m2po_megatron.rollout.launcher import wait_healthy
-
         wait_healthy(a.url, timeout_s=120)
         out = asyncio.run(_one(a.url))
         assert out.server == a.url and len(out.output_ids) == 3
         assert "(restart 1)" in open(a.log_path).read()
+
+
+def _wait_held(url, n, timeout=120):
+    """Until the paused server at url holds n requests (its get_server_info says so); polled with a deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        held = json.loads(_http.request(f"{url}/get_server_info")[1])["internal_states"][0]["held_by_pause"]
+        if held == n:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} holds {held} requests, not {n}, after {timeout} s")
 
 
 async def _one(url):

@@ -2,6 +2,7 @@
 sync over gloo (pause mode and in flight). One server process serves the whole module (start ~10-40 s)."""
 import asyncio
 import json
+import socket
 import time
 
 import pytest
@@ -146,13 +147,42 @@ def test_api_key_required_and_never_echoed(server):
     assert json.loads(text)["is_generation"] is True
 
 
+def test_control_http_statuses_timeouts_and_refusals(server):
+    """The synchronous control-plane helper (launcher health checks, weight-sync calls) against the real
+    server: statuses come back as values, 401 without the key, post_ok raises with the server's text, a
+    server that holds the request past the timeout raises TimeoutError, a closed port ConnectionError."""
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
+    assert _http.request(f"{server.url}/generate", body)[0] == 401
+    with pytest.raises(RuntimeError, match="answered 401"):
+        _http.post_ok(f"{server.url}/generate", body)
+    with pytest.raises(RuntimeError, match="answered 400.*max_tokens"):
+        _http.post_ok(f"{server.url}/generate", {"input_ids": [1], "sampling_params": {"max_tokens": 2}},
+                      api_key=KEY)
+    assert len(_http.post_ok(f"{server.url}/generate", body, api_key=KEY)["output_ids"]) == 2
+    _http.post_ok(f"{server.url}/pause_generation", {"mode": "in_place"}, api_key=KEY)
+    try:  # a paused server holds /generate until continue_generation: no answer can come in time
+        with pytest.raises(TimeoutError, match="no answer within 0.5 s"):
+            _http.request(f"{server.url}/generate", body, api_key=KEY, timeout=0.5)
+    finally:
+        _http.post_ok(f"{server.url}/continue_generation", {}, api_key=KEY)
+    # the abandoned request still runs once continued (as in SGLang): let it finish before the next test
+    _wait_state(server.url, lambda s: s["held_by_pause"] == s["waiting"] == s["running"] == 0)
+    with socket.socket() as s:  # bound, not listening: connections to it are refused
+        s.bind(("127.0.0.1", 0))
+        with pytest.raises(ConnectionError):
+            _http.request(f"http://127.0.0.1:{s.getsockname()[1]}/health", timeout=30)
+    with pytest.raises(ValueError):
+        _http.request("no-scheme/health")
+
+
 def test_pause_in_place_holds_requests_and_abort_mode_aborts(server):
     client = SyncRolloutClient([server.url], api_key=KEY)
     try:
         client.pause("in_place")
         fut = client.submit([5, 6], {"max_new_tokens": 4}, n=1)
-        time.sleep(1.0)
-        assert not fut.done()  # queued while paused
+        state = _wait_state(server.url, lambda s: s["held_by_pause"] == 1)
+        assert state["paused"] and state["waiting"] == state["running"] == 0  # held before the engine
+        assert not fut.done()
         client.continue_generation()
         assert len(fut.result(60)[0].output_ids) >= 1
         fut = _submit_and_freeze(client, server.url, [5, 6], max_new_tokens=500)
@@ -165,14 +195,19 @@ def test_pause_in_place_holds_requests_and_abort_mode_aborts(server):
         client.close()
 
 
-def _wait_running(url, timeout=240):  # generous: a loaded CI machine starts requests slowly
+def _wait_state(url, ready, timeout=240):  # generous: a loaded CI machine starts requests slowly
+    """Poll the server's scheduler state (get_server_info's internal_states) until ready(state)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        info = json.loads(_http.request(f"{url}/get_server_info", api_key=KEY)[1])
-        if info["internal_states"][0]["running"] > 0:
-            return
+        state = json.loads(_http.request(f"{url}/get_server_info", api_key=KEY)[1])["internal_states"][0]
+        if ready(state):
+            return state
         time.sleep(0.05)
-    raise TimeoutError("no request started running")
+    raise TimeoutError(f"the server never reached the awaited state; last {state}")
+
+
+def _wait_running(url):
+    _wait_state(url, lambda s: s["running"] > 0)
 
 
 def _submit_and_freeze(client, url, prompt, max_new_tokens=600, attempts=3):
