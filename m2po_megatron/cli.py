@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     from m2po_megatron.config import ConfigError
-    from m2po_megatron.run.state import RunError, RunStateError, StopNow
+    from m2po_megatron.infra.errors import RunError
+    from m2po_megatron.run.state import RunStateError, StopNow
 
     try:
         return int(args.func(args) or 0)

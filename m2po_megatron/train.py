@@ -3,7 +3,7 @@
 Ray placement -> data -> generation -> rewards -> advantages -> staleness gating -> training -> weight
 sync -> evaluation -> logging -> checkpoints. The loop calls verbs on its components, each in the module of
 its domain: the run directory (run/rundir.py) and checkpoints (run/checkpoint.py), the inputs
-(data/loading.py), the rollout servers (rollout/servers.py), the trainer ranks (actor/ranks.py), the
+(run/inputs.py), the rollout servers (run/servers.py), the trainer ranks (run/trainers.py), the
 generator (rollout/generators.py, one `Generator` interface for every staleness mode), weight updates of the
 servers (rollout/updates.py) and evaluation (eval/in_run.py). The algorithmic hooks of a step are below or
 in the module that owns them (samples.build_step_batch, staleness.*, algo.*)."""
@@ -21,13 +21,13 @@ from m2po_megatron.run.metrics import MetricsLogger, Progress
 
 
 def train(cfg: DictConfig) -> Path:
-    from m2po_megatron.actor.ranks import start_trainers
-    from m2po_megatron.data.loading import load_data, load_tokenizer
+    from m2po_megatron.run.trainers import start_trainers
+    from m2po_megatron.run.inputs import load_data, load_tokenizer
     from m2po_megatron.eval.in_run import Evaluator
     from m2po_megatron.infra.cluster import init_ray, shutdown_ray
     from m2po_megatron.reward import RewardPool
     from m2po_megatron.rollout.generators import make_generator
-    from m2po_megatron.rollout.servers import check_ports, make_client, start_rollout_engines
+    from m2po_megatron.run.servers import api_key, check_ports, make_client, start_rollout_engines
     from m2po_megatron.rollout.updates import WeightUpdater
     from m2po_megatron.run.checkpoint import checkpoint_step, restore, resume_hint, save_checkpoint
     from m2po_megatron.run.rundir import check_run_dir, claim_run_dir
@@ -77,7 +77,7 @@ def train(cfg: DictConfig) -> Path:
         engines, urls = start_rollout_engines(cfg, rdir)
         client = make_client(cfg, urls)
         trainers = start_trainers(cfg, world, rdir, ckpts)
-        weights = WeightUpdater(cfg, trainers, engines, urls)
+        weights = WeightUpdater(cfg, trainers, engines, urls, api_key(cfg))
         weights.connect()
         rewards = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
                              format_score=cfg.reward.format_score)
@@ -211,7 +211,7 @@ def next_batch(cfg: DictConfig, generator, version: int, ckpts):
     """The next batch of groups; a wait past cluster.timeout_s, or generation that failed for good (every
     server down past its restarts), stops the run with a RunError naming it."""
     from m2po_megatron.run.checkpoint import resume_hint
-    from m2po_megatron.run.state import RunError
+    from m2po_megatron.infra.errors import RunError
 
     try:
         return generator.next_groups(version, timeout_s=cfg.cluster.timeout_s)

@@ -1,3 +1,3 @@
 """Training/eval data in the project's format (id, prompt, answer, source): the DeepScaleR preparation
-(prepare, records), the prompt stream the generators read (prompts) and a run's inputs, loaded and checked
-before Ray starts (loading). The tiny synthetic task is in demo/."""
+(prepare, records) and the prompt stream the generators read (prompts); a run loads and checks its inputs
+with run/inputs.py. The tiny synthetic task is in demo/."""

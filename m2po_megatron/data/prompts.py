@@ -83,7 +83,7 @@ def load_prompt_rows(path: str) -> list[dict]:
 
 
 class Tokenize:
-    """Final prompt text (data.loading.load_data applied the prompt and chat templates) -> token ids."""
+    """Final prompt text (run.inputs.load_data applied the prompt and chat templates) -> token ids."""
 
     def __init__(self, tokenizer, max_prompt_len: int):
         self.tok, self.max_len = tokenizer, max_prompt_len

@@ -12,15 +12,14 @@ import time
 
 from omegaconf import DictConfig
 
-from m2po_megatron.config import secret
-
 
 class WeightUpdater:
     """`trainers` answer call(method, ...); `engines` is the EngineManager (None when attached to
-    rollout.urls: nothing restarts them); `urls` the servers. `synced`: the version the servers hold."""
+    rollout.urls: nothing restarts them); `urls` the servers and `api_key` their key. `synced`: the version the
+    servers hold."""
 
-    def __init__(self, cfg: DictConfig, trainers, engines, urls: list[str]):
-        self.cfg, self.trainers, self.engines, self.urls = cfg, trainers, engines, urls
+    def __init__(self, cfg: DictConfig, trainers, engines, urls: list[str], api_key: str | None = None):
+        self.cfg, self.trainers, self.engines, self.urls, self.api_key = cfg, trainers, engines, urls, api_key
         self.generator = None  # paused during a push; set by `attach`
         self.synced = 0  # new servers hold the base weights
         self.seen: list[int] = []  # restart counts at the last (re)sync
@@ -29,7 +28,7 @@ class WeightUpdater:
         """Form the weight-sync group of the trainer's rank 0 with every server rank."""
         r = self.cfg.rollout
         ranks = r.tp_size * r.dp_size if r.engine == "sglang" else 1  # a server's GPU ranks all join the group
-        self.trainers.call("init_weight_sync", self.urls, secret(r.api_key, "M2PO_API_KEY"), r.bucket_mb, 0,
+        self.trainers.call("init_weight_sync", self.urls, self.api_key, r.bucket_mb, 0,
                            r.pause_mode, ranks, f"weight_update_group_{generation}", timeout=r.health_timeout_s,
                            what=f"forming the weight-sync group with the rollout servers {self.urls} "
                                 f"(rollout.health_timeout_s)")
@@ -91,7 +90,7 @@ class WeightUpdater:
         """Block until every server answers /health_generate; a server whose restart budget is spent ends
         the run with its URL and log."""
         from m2po_megatron.rollout.launcher import wait_healthy
-        from m2po_megatron.run.state import RunError
+        from m2po_megatron.infra.errors import RunError
 
         r = self.cfg.rollout
         for info in self.engines.info():
@@ -100,4 +99,4 @@ class WeightUpdater:
                                f"{info['last_error']} (rollout.max_restarts = {r.max_restarts}); "
                                f"log: {info['log']}")
         for url in self.urls:
-            wait_healthy(url, api_key=secret(r.api_key, "M2PO_API_KEY"), timeout_s=r.health_timeout_s)
+            wait_healthy(url, api_key=self.api_key, timeout_s=r.health_timeout_s)

@@ -30,7 +30,6 @@ __all__ = [
     "MARKER",
     "RUN_STATE_SCHEMA_VERSION",
     "CheckpointManager",
-    "RunError",
     "RunStateError",
     "StopFlag",
     "StopNow",
@@ -50,11 +49,6 @@ PathLike = Union[str, os.PathLike]
 
 class RunStateError(RuntimeError):
     """A run-state file or checkpoint is missing, corrupt, partially written or of another schema."""
-
-
-class RunError(RuntimeError):
-    """The run stopped for a reason the message explains (a dead rank or server, a wait that timed out),
-    naming what to do next; the CLI prints it without a traceback."""
 
 
 def _fsync_path(path: Path) -> None:

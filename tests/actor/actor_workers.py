@@ -100,7 +100,6 @@ def _maxdiff(a, b):
 def logprob_worker(names, layouts):
     """For each config and (tp, pp) layout: max |log-prob diff| and |entropy diff| vs HF."""
     from m2po_megatron.actor.actor import MegatronActor
-    from m2po_megatron.convert.export import gather_hf_state_dict
 
     out = {}
     for name in names:

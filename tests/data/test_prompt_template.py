@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from m2po_megatron.config import ConfigError, load_config
-from m2po_megatron.data.loading import load_data
+from m2po_megatron.run.inputs import load_data
 from m2po_megatron.data.prepare import M2PO_TEMPLATE, final_prompts, prepare_rows
 from m2po_megatron.demo.tiny_tokenizer import build_tiny_tokenizer
 

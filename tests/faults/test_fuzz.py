@@ -72,7 +72,7 @@ def tokenizer(tiny_task):
 @SETTINGS
 @given(text=lines)
 def test_any_training_file_loads_or_fails_with_a_config_error_naming_it(tiny_task, tokenizer, text):
-    from m2po_megatron.data.loading import load_data
+    from m2po_megatron.run.inputs import load_data
 
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "train.jsonl"

@@ -1,8 +1,6 @@
 """A restart in a used run directory, a truncated checkpoint file, a malformed data file, a port that
 another server holds: each is found before anything is written or Ray starts (exit 2, the field or file and
 the fix named), or, for a damaged checkpoint, the run resumes from the latest intact one."""
-import json
-import os
 from pathlib import Path
 
 import pytest

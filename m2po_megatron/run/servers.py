@@ -11,6 +11,11 @@ from m2po_megatron.config import secret
 from m2po_megatron.run.rundir import record_placement
 
 
+def api_key(cfg: DictConfig) -> str | None:
+    """The servers' API key: $M2PO_API_KEY, else rollout.api_key."""
+    return secret(cfg.rollout.api_key, "M2PO_API_KEY")
+
+
 def check_ports(cfg: DictConfig) -> None:
     """A fixed rollout.port on this machine must be free now (port 0, the default, always is)."""
     import socket
@@ -39,10 +44,10 @@ def start_rollout_engines(cfg: DictConfig, rdir: Path):
     from m2po_megatron.rollout.launcher import EngineManager, ServerSpec
 
     r = cfg.rollout
-    api_key = secret(r.api_key, "M2PO_API_KEY")
+    key = api_key(cfg)
     if r.urls:
-        return None, EngineManager.attach(list(r.urls), api_key=api_key, timeout_s=r.health_timeout_s)
-    from m2po_megatron.run.state import RunError
+        return None, EngineManager.attach(list(r.urls), api_key=key, timeout_s=r.health_timeout_s)
+    from m2po_megatron.infra.errors import RunError
 
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get(ROLLOUT_RESOURCE)]
     if not nodes:
@@ -54,7 +59,7 @@ def start_rollout_engines(cfg: DictConfig, rdir: Path):
     specs = [ServerSpec(model_path=str(Path(cfg.model.hf_path).resolve()), engine=r.engine, host=r.host or "auto",
                         port=r.port + i if r.port else 0, tp_size=r.tp_size, dp_size=r.dp_size,
                         mem_fraction_static=r.mem_fraction_static, context_length=r.context_length,
-                        dtype=r.dtype, quantization=r.quantization, api_key=api_key,
+                        dtype=r.dtype, quantization=r.quantization, api_key=key,
                         random_seed=cfg.run.seed + i, weight_version="0", served_model_name=identity,
                         enable_deterministic_inference=r.deterministic_inference)
              for i in range(r.num_servers)]
@@ -75,6 +80,6 @@ def make_client(cfg: DictConfig, urls: list[str]):
     from m2po_megatron.rollout.client import SyncRolloutClient
 
     r = cfg.rollout
-    return SyncRolloutClient(urls, api_key=secret(r.api_key, "M2PO_API_KEY"),
+    return SyncRolloutClient(urls, api_key=api_key(cfg),
                              max_concurrency_per_server=r.max_concurrency, request_timeout_s=r.request_timeout_s,
                              max_retries=r.max_retries)

@@ -13,12 +13,13 @@ from m2po_megatron.run.rundir import record_placement
 
 def start_trainers(cfg: DictConfig, world: int, rdir: Path, ckpts) -> "Ranks":
     """One Ray actor per Megatron rank on the `trainer` nodes; on GPUs, one placement group per node holding
-    gpus_per_node consecutive ranks (whole tensor-parallel groups), each building a MegatronActor from the recipe (actor.options.actor_kwargs)."""
+    gpus_per_node consecutive ranks (whole tensor-parallel groups), each building a MegatronActor from the
+    recipe (actor.options.actor_kwargs)."""
     import ray
 
     from m2po_megatron.infra.cluster import PlacementTimeout, RankGroup
-    from m2po_megatron.actor.worker import TrainerWorker
-    from m2po_megatron.run.state import RunError
+    from m2po_megatron.run.worker import TrainerWorker
+    from m2po_megatron.infra.errors import RunError
 
     gpus = cfg.cluster.gpus_per_node
     try:
@@ -49,7 +50,7 @@ class Ranks:
     def call(self, method: str, *args, timeout: float | None = None, what: str | None = None, **kwargs):
         import ray
 
-        from m2po_megatron.run.state import RunError
+        from m2po_megatron.infra.errors import RunError
 
         what = what or f"{method} on the trainer ranks"
         timeout = timeout or self.timeout_s

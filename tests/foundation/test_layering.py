@@ -1,0 +1,108 @@
+"""The package's layering, drawn from its imports (docs/architecture.md): no two packages import each other,
+directly or round a longer loop, and the pure or bottom packages import nothing above them. Imports inside
+functions count: they are how a lower package would reach back up."""
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[2] / "m2po_megatron"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported(path: Path) -> set[str]:
+    """Fully qualified m2po_megatron modules imported anywhere in the file (relative imports resolved)."""
+    mod = _module_name(path)
+    here = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
+            out.add(base)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m == "m2po_megatron" or m.startswith("m2po_megatron.")}
+
+
+def _unit(mod: str) -> str:
+    """A module's layering unit: its sub-package (m2po_megatron.rollout.client -> rollout), or the module
+    itself for the package root's modules (train, cli)."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "(root)"
+
+
+def package_graph() -> dict[str, dict[str, set[str]]]:
+    """unit -> {imported unit -> the importing modules}."""
+    graph: dict[str, dict[str, set[str]]] = {}
+    for path in PKG.rglob("*.py"):
+        src_mod = _module_name(path)
+        src = _unit(src_mod)
+        for target in _imported(path):
+            dst = _unit(target)
+            if dst != src and dst != "(root)":
+                graph.setdefault(src, {}).setdefault(dst, set()).add(src_mod)
+    return graph
+
+
+def _cycle(graph: dict[str, dict[str, set[str]]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(u: str):
+        state[u] = 1
+        stack.append(u)
+        for v in sorted(graph.get(u, {})):
+            if state.get(v) == 1:
+                return stack[stack.index(v):] + [v]
+            if not state.get(v) and (found := visit(v)):
+                return found
+        state[u] = 2
+        stack.pop()
+        return None
+
+    for u in sorted(graph):
+        if not state.get(u) and (found := visit(u)):
+            return found
+    return None
+
+
+def test_the_graph_is_read_from_the_real_imports():
+    g = package_graph()
+    # known edges, so that a parser that finds nothing cannot make the tests below pass
+    assert "m2po_megatron.run.trainers" in g["run"]["actor"]
+    assert "m2po_megatron.rollout.generators" in g["rollout"]["staleness"]
+    assert "m2po_megatron.eval.benchmarks" in g["eval"]["data"]  # a relative import, resolved
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    assert _cycle({"a": {"b": {"a.x"}}, "b": {"c": {"b.y"}}, "c": {"a": {"c.z"}}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b": {"a.x"}}, "b": {}}) is None
+
+
+def test_no_package_imports_round_a_loop():
+    g = package_graph()
+    loop = _cycle(g)
+    if loop:
+        hops = [f"{a} -> {b} ({', '.join(sorted(g[a][b]))})" for a, b in zip(loop, loop[1:])]
+        pytest.fail("packages import each other in a loop: " + "; ".join(hops))
+
+
+@pytest.mark.parametrize("package, allowed", [
+    ("algo", set()),  # pure math: torch only
+    ("infra", set()),
+    ("models", {"infra"}),
+    ("actor", {"algo", "infra", "models"}),
+    ("data", set()),
+    ("staleness", set()),
+    ("rollout", {"actor", "algo", "data", "infra", "staleness"}),
+])
+def test_lower_packages_import_only_below_them(package, allowed):
+    g = package_graph()
+    above = {dst: sorted(mods) for dst, mods in g.get(package, {}).items() if dst not in allowed}
+    assert not above, f"{package} imports {above}"
