@@ -1,5 +1,5 @@
 """The CPU server over real HTTP: log-probs equal the trainer's, protocol refusals, auth, pause, and weight
-sync over gloo (pause mode and in flight). One server process serves the whole module (start ~10-40 s)."""
+sync over gloo (retract and in_place pauses, inside the weight-update session). One server process serves the whole module (start ~10-40 s)."""
 import asyncio
 import json
 import socket
