@@ -21,17 +21,17 @@ from m2po_megatron.run.metrics import MetricsLogger, Progress
 
 
 def train(cfg: DictConfig) -> Path:
-    from m2po_megatron.run.trainers import start_trainers
-    from m2po_megatron.run.inputs import load_data, load_tokenizer
     from m2po_megatron.eval.in_run import Evaluator
     from m2po_megatron.infra.cluster import init_ray, shutdown_ray
     from m2po_megatron.reward import RewardPool
     from m2po_megatron.rollout.generators import make_generator
-    from m2po_megatron.run.servers import api_key, check_ports, make_client, start_rollout_engines
     from m2po_megatron.rollout.updates import WeightUpdater
     from m2po_megatron.run.checkpoint import checkpoint_step, restore, resume_hint, save_checkpoint
+    from m2po_megatron.run.inputs import load_data, load_tokenizer
     from m2po_megatron.run.rundir import check_run_dir, claim_run_dir
+    from m2po_megatron.run.servers import api_key, check_ports, make_client, start_rollout_engines
     from m2po_megatron.run.state import CheckpointManager, install_sigterm_flag
+    from m2po_megatron.run.trainers import start_trainers
     from m2po_megatron.staleness import SampleLedger
 
     rdir = run_dir(cfg)

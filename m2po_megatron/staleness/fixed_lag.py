@@ -72,7 +72,7 @@ class FixedLagQueue:
 
     def state_dict(self, encode: Callable[[Any], Any] = lambda p: p) -> dict[str, Any]:
         """The queue with each payload passed through `encode` (e.g. save it and return the file path);
-        the result must be JSON-serialisable for `run_state.save_run_state`."""
+        the result must be JSON-serialisable for `run.state.save_run_state`."""
         return {"lag_steps": self.lag_steps, "pushed": self._pushed, "last_version": self._last_version,
                 "queue": [{"payload": encode(b.payload), "version": b.version, "index": b.index}
                           for b in self._queue]}

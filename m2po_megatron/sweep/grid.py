@@ -1,5 +1,5 @@
 """Sweeps: expand a grid of recipe variants into named runs, submit them to Slurm (or run them here:
-sweep_local.py), report their state.
+sweep/local.py), report their state.
 
 A sweep file (YAML; recipes/sweeps/table1.yaml is the full example):
 
