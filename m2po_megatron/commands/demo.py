@@ -37,14 +37,26 @@ def task_is_current(task_dir: Path, seed: int, target_accuracy: float = DEMO_TAR
     return isinstance(info, dict) and info.get("seed") == seed and info.get("target_accuracy") == target_accuracy
 
 
-def ensure_tiny_task(task_dir: str, seed: int) -> Path:
+def ensure_tiny_task(task_dir: str, seed: int) -> tuple[Path, bool]:
+    """The demo's task directory, built unless a current build is there; and whether it was built now."""
     from m2po_megatron.demo.tiny_model import build_tiny_task
 
     out = Path(task_dir)
-    if not task_is_current(out, seed):
-        print(f"[demo] building the tiny task in {out} (once; under a minute here)", flush=True)
-        build_tiny_task(out, seed=seed, target_accuracy=DEMO_TARGET_ACCURACY)
-    return out
+    if task_is_current(out, seed):
+        return out, False
+    print(f"[demo] building the tiny task in {out} (once; under a minute here)", flush=True)
+    build_tiny_task(out, seed=seed, target_accuracy=DEMO_TARGET_ACCURACY)
+    return out, True
+
+
+def demo_overrides(task: Path, built_now: bool, user: list[str]) -> list[str]:
+    """tiny-cpu on the task. run.resume=auto: a second `make demo` continues an interrupted demo or, finished,
+    only reports it. A task built just now makes any earlier demo run stale (another model and data): that
+    run is moved aside (run.overwrite=true keeps it as runs/tiny-cpu.replaced-TIME) and the demo starts over.
+    The user's overrides come last and win."""
+    fresh = ["run.overwrite=true"] if built_now else []
+    return [f"model.hf_path={task}", f"data.train_path={task / 'train.jsonl'}",
+            f"data.eval_paths=[{task / 'eval.jsonl'}]", "run.resume=auto", *fresh, *user]
 
 
 def run(args) -> int:
@@ -53,12 +65,8 @@ def run(args) -> int:
     from m2po_megatron.sweep.plot import plot_runs
     from m2po_megatron.train import train
 
-    task = ensure_tiny_task(args.task_dir, args.seed)
-    # run.resume=auto: a second `make demo` continues an interrupted demo or, finished, only reports it
-    # (run.overwrite=true starts over)
-    overrides = [f"model.hf_path={task}", f"data.train_path={task / 'train.jsonl'}",
-                 f"data.eval_paths=[{task / 'eval.jsonl'}]", "run.resume=auto", *args.overrides]
-    cfg = load_config("tiny-cpu", overrides)
+    task, built_now = ensure_tiny_task(args.task_dir, args.seed)
+    cfg = load_config("tiny-cpu", demo_overrides(task, built_now, list(args.overrides)))
     rdir = train(cfg)
     png = plot_runs([rdir], rdir / "plot.png")
     rows = [r for r in read_metrics(rdir / "metrics.jsonl") if "eval/avg/pass@1" in r]
