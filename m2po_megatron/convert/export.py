@@ -1,4 +1,5 @@
-"""Export of a live, sharded Megatron model as HF-named full tensors (rollout weight sync, conversion).
+"""Export of a live, sharded Megatron model as HF-named full tensors, in buckets for the rollout weight sync
+(and whole, for tests). Conversion of a saved checkpoint reads it directly (checkpoint.py).
 
 Who gets tensors: on each pipeline stage, the *source rank* (tensor-parallel rank 0, data-parallel rank 0,
 context-parallel rank 0) yields that stage's tensors; every other rank yields nothing. All tensor-parallel ranks
@@ -10,7 +11,7 @@ final norm, output layer), HF names within a parameter in table order (q, k, v; 
 the last stage's output_layer copy is skipped (HF has no lm_head.weight)."""
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -82,6 +83,18 @@ def iter_hf_weight_buckets(model_chunks: Any, hf_config: Any, bucket_mb: float =
     every TP rank of data-parallel replica 0 must exhaust the iterator (it all-gathers)."""
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-    from m2po_megatron.rollout.weight_sync import hf_buckets
-
     yield from hf_buckets(iter_hf_tensors(model_chunks, hf_config, dtype), int(bucket_mb * 1024 * 1024))
+
+
+def hf_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20):
+    """Group (name, tensor) pairs into lists of at most ~bucket_bytes (a tensor larger than that goes alone)."""
+    bucket, size = [], 0
+    for name, t in named_tensors:
+        b = t.numel() * t.element_size()
+        if bucket and size + b > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += b
+    if bucket:
+        yield bucket

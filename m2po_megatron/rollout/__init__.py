@@ -3,7 +3,7 @@ and the trainer side of weight sync. Heavy imports (torch, aiohttp, ray) stay in
 from m2po_megatron.rollout.client import (ClientStats, RolloutClient, RolloutFailed, RolloutRequestError,
                                           SampleResult, SyncRolloutClient)
 from m2po_megatron.rollout.launcher import EngineManager, ServerSpec, ServerStartError
-from m2po_megatron.rollout.weight_sync import DistributedWeightSync, hf_buckets
+from m2po_megatron.rollout.weight_sync import DistributedWeightSync
 
 __all__ = ["ClientStats", "DistributedWeightSync", "EngineManager", "RolloutClient", "RolloutFailed",
-           "RolloutRequestError", "SampleResult", "ServerSpec", "ServerStartError", "SyncRolloutClient", "hf_buckets"]
+           "RolloutRequestError", "SampleResult", "ServerSpec", "ServerStartError", "SyncRolloutClient"]

@@ -241,17 +241,3 @@ class DistributedWeightSync:
                 destroy_custom_process_group(self.pg)
                 self.pg = None
         self._pool.shutdown(wait=False)
-
-
-def hf_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20):
-    """Group (name, tensor) pairs into lists of at most ~bucket_bytes (a tensor larger than that goes alone)."""
-    bucket, size = [], 0
-    for name, t in named_tensors:
-        b = t.numel() * t.element_size()
-        if bucket and size + b > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += b
-    if bucket:
-        yield bucket

@@ -2,10 +2,11 @@
 import pytest
 import torch
 
+from m2po_megatron.convert.export import hf_buckets
 from m2po_megatron.rollout import protocol, sampling
 from m2po_megatron.rollout.client import build_generate_body
 from m2po_megatron.rollout.launcher import ServerSpec, build_command
-from m2po_megatron.rollout.weight_sync import hf_buckets, init_group_body, update_body
+from m2po_megatron.rollout.weight_sync import init_group_body, update_body
 
 
 @pytest.mark.parametrize("sp", [None, {}, {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8},

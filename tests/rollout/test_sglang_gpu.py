@@ -14,7 +14,8 @@ import torch
 from m2po_megatron.rollout import _http
 from m2po_megatron.rollout.client import RolloutClient, SyncRolloutClient
 from m2po_megatron.rollout.launcher import EngineManager, ServerSpec
-from m2po_megatron.rollout.weight_sync import DistributedWeightSync, hf_buckets
+from m2po_megatron.convert.export import hf_buckets
+from m2po_megatron.rollout.weight_sync import DistributedWeightSync
 from tests.rollout.conftest import hf_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
