@@ -133,4 +133,15 @@ def test_bad_layouts_name_the_field(kw, field):
 
 def test_missing_config_fields_are_named():
     with pytest.raises(ValueError, match="hidden_size"):
+        estimate_gpu_memory({"model_type": "qwen3", "num_hidden_layers": 2}, micro_batch_tokens=4096)
+    with pytest.raises(ValueError, match="unsupported architecture"):
         estimate_gpu_memory({"num_hidden_layers": 2}, micro_batch_tokens=4096)
+
+
+def test_the_estimate_counts_the_model_as_it_is_built():
+    """The shape comes from the reader the builder uses: a Qwen2 config that says attention_bias: false still
+    gets q/k/v biases (Qwen2's attention always has them), as the built model does."""
+    from m2po_megatron.models.hf_config import read_hf_config
+
+    cfg = dict(load_hf_config_dict(CONFIGS / "Qwen__Qwen2.5-32B"), attention_bias=False)
+    assert model_shape(cfg).qkv_bias and read_hf_config(cfg).qkv_bias

@@ -15,7 +15,7 @@ import pytest
 
 from m2po_megatron.sweep import grid as sw
 from m2po_megatron.run.metrics import read_metrics
-from m2po_megatron.sweep.local import checkpoint_step, local_state
+from m2po_megatron.sweep.local import latest_checkpoint_step, local_state
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 900
@@ -63,7 +63,7 @@ def test_local_sweep_runs_every_run_in_its_slurm_directory(swept):
     assert names == ["t-grpo", "t-m2po"]
     for name in names:  # the directories Slurm would use: output_dir/<run name>
         run = out / name
-        assert local_state(run, 2) == "COMPLETED" and checkpoint_step(run) == 2
+        assert local_state(run, 2) == "COMPLETED" and latest_checkpoint_step(run) == 2
         rows = [r for r in read_metrics(run / "metrics.jsonl") if "samples/generated" in r]
         assert [r["step"] for r in rows] == [1, 2]
         record = (run / "logs" / "job-state").read_text().split()

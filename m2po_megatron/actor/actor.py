@@ -494,9 +494,8 @@ def _check_options(*, micro_batch_tokens, context_parallel_size, virtual_pipelin
         raise ValueError(f"micro_batch_tokens={micro_batch_tokens} must be >= 2")
     from m2po_megatron.algo import losses as algo_losses
 
-    known = getattr(algo_losses, "LOSSES", None)
-    if known is not None and loss_name not in known:
-        raise ValueError(f"loss_name={loss_name!r}: use one of {sorted(known)}")
+    if loss_name not in algo_losses.LOSSES:
+        raise ValueError(f"loss_name={loss_name!r}: use one of {sorted(algo_losses.LOSSES)}")
 
 
 def _recompute_overrides(granularity: Optional[str], method: str, num_layers: int) -> dict:

@@ -243,11 +243,6 @@ def activate() -> bool:
     return True
 
 
-def is_active() -> bool:
-    """True when the process-wide patches are applied and this thread has the device-rewriting mode."""
-    return _patched and getattr(_tls, "mode", None) is not None
-
-
 @contextlib.contextmanager
 def cpu_mode():
     """Run a block of Megatron code in any thread (the device mode is thread-local). No-op with CUDA."""

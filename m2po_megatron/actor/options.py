@@ -1,6 +1,10 @@
 """A recipe's settings as MegatronActor's keyword arguments: the actor's parameters carry the recipe's key
 names (optim.warmup_updates -> warmup_updates, algo.m2po.scope -> m2po_scope, ...); only derived values are
-computed here (the dtype for "auto", the loss options of the chosen algorithm, the decay length)."""
+computed here (the dtype for "auto", the loss options of the chosen algorithm, the decay length). Three keep
+names of their own: `load_from` (model.megatron_ckpt, but it also takes an HF directory or, in tests, a model),
+`loss_name` (algo.name; a bare `name` would be ambiguous on the actor) and `loss_kwargs` (the loss library's
+own keywords, shared by all its callers: eps_low/eps_high from algo.*.eps_clip_low/high, dual_clip from
+algo.dual_clip_c)."""
 from __future__ import annotations
 
 from omegaconf import DictConfig

@@ -10,7 +10,6 @@ Both are reduced to the valid tokens in row-major order (the order used everywhe
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -79,12 +78,6 @@ class ValidTokens:
     def take(self, t: Tensor) -> Tensor:
         """Valid entries of a tensor in the caller's layout (differentiable)."""
         return t.reshape(-1)[self.index]
-
-    def scatter(self, values: Tensor, fill=0) -> Tensor:
-        """Inverse of take: values of the valid tokens back to the caller's layout."""
-        out = torch.full((math.prod(self.shape),), fill, dtype=values.dtype, device=values.device)
-        out[self.index] = values
-        return out.reshape(self.shape)
 
 
 def valid_tokens(mask: Tensor, seq_ids: Tensor | None, where: str) -> ValidTokens:

@@ -51,9 +51,9 @@ def _verify(hf_dir: str, ckpt_dir: str, tol: float | None, dtype_name: str | Non
 
 
 def _stored_dtype(ckpt_dir: str) -> str:
-    from m2po_megatron.convert.checkpoint import _ckpt_tensor_meta
+    from m2po_megatron.convert.checkpoint import ckpt_tensor_meta
 
-    d = _ckpt_tensor_meta(ckpt_dir)["embedding.word_embeddings.weight"][1]
+    d = ckpt_tensor_meta(ckpt_dir)["embedding.word_embeddings.weight"][1]
     return str(d).replace("torch.", "")
 
 

@@ -156,7 +156,7 @@ class TrainSection:
 class OptimSection:
     lr: float = 1e-6
     min_lr: float = 0.0
-    lr_schedule: str = "constant"  # constant | cosine
+    lr_schedule: str = "constant"  # constant | cosine | linear
     warmup_updates: int = 0
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
@@ -188,7 +188,6 @@ class LoggingSection:
     wandb_mode: str = "disabled"  # online | offline | disabled (WANDB_MODE overrides)
     wandb_project: str = "m2po-megatron"
     wandb_entity: Optional[str] = None
-    console: bool = True
 
 
 @dataclass

@@ -15,26 +15,35 @@ from omegaconf import DictConfig, OmegaConf
 from m2po_megatron.config.paths import resolve_path
 from m2po_megatron.config.schema import ConfigError
 
-CHOICES = {
-    "run.resume": None,  # free-form: none | auto | path
-    "model.params_dtype": ("auto", "fp32", "bf16", "fp16"),
-    "model.fp8": (None, "e4m3", "hybrid"),
-    "model.fp8_recipe": ("delayed", "tensorwise", "blockwise", "mxfp8"),
-    "model.attention_backend": ("auto", "te", "sdpa", "local"),
-    "parallel.recompute_granularity": (None, "selective", "full"),
-    "parallel.recompute_method": ("uniform", "block"),
-    "algo.name": ("m2po", "grpo", "grpo_notr", "gspo"),
-    "algo.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
-    "algo.gspo.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
-    "algo.m2po.rule": ("remove", "cap"),
-    "algo.m2po.scope": ("global", "microbatch"),
-    "staleness.mode": ("on_policy", "fixed_lag", "bounded"),
-    "staleness.behav_logprob_source": ("engine", "trainer"),
-    "rollout.engine": ("local", "sglang"),
-    "rollout.pause_mode": ("retract", "in_place", "abort"),
-    "optim.lr_schedule": ("constant", "cosine"),
-    "logging.wandb_mode": ("online", "offline", "disabled"),
-}
+def choices() -> dict[str, tuple | None]:
+    """Each enumerated field's allowed values; a value the code implements is named where it is implemented
+    (imported here, when a recipe is checked, not when this module is)."""
+    from m2po_megatron.actor.actor import LR_SCHEDULES, M2PO_SCOPES, RECOMPUTE_GRANULARITIES
+    from m2po_megatron.algo.losses import AGG_MODES, LOSSES
+    from m2po_megatron.algo.mask import RULES
+    from m2po_megatron.models.builder import ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES
+    from m2po_megatron.rollout.weight_sync import PAUSE_MODES
+
+    return {
+        "run.resume": None,  # free-form: none | auto | path
+        "model.params_dtype": ("auto", "fp32", "bf16", "fp16"),  # fp16 is refused with its reason below
+        "model.fp8": (None, *FP8_FORMATS),
+        "model.fp8_recipe": FP8_RECIPES,
+        "model.attention_backend": ATTENTION_BACKENDS,
+        "parallel.recompute_granularity": RECOMPUTE_GRANULARITIES,
+        "parallel.recompute_method": ("uniform", "block"),
+        "algo.name": LOSSES,
+        "algo.loss_agg_mode": AGG_MODES,
+        "algo.gspo.loss_agg_mode": AGG_MODES,
+        "algo.m2po.rule": RULES,
+        "algo.m2po.scope": M2PO_SCOPES,
+        "staleness.mode": ("on_policy", "fixed_lag", "bounded"),
+        "staleness.behav_logprob_source": ("engine", "trainer"),
+        "rollout.engine": ("local", "sglang"),
+        "rollout.pause_mode": PAUSE_MODES,
+        "optim.lr_schedule": LR_SCHEDULES,
+        "logging.wandb_mode": ("online", "offline", "disabled"),
+    }
 
 # fields that must be > 0 and >= 0; other ranges (top_p, betas, ...) are checked in validate()
 POSITIVE = [
@@ -87,13 +96,13 @@ def model_hf_config(cfg: DictConfig, check_files: bool = False) -> Optional[dict
 def validate(cfg: DictConfig, check_files: bool = True) -> None:
     errors: list[str] = []
 
-    for path, choices in CHOICES.items():
-        if choices is None:
+    for path, allowed in choices().items():
+        if allowed is None:
             continue
         value = _get(cfg, path)
-        if value not in choices:
-            shown = ", ".join("null" if c is None else str(c) for c in choices)
-            hint = difflib.get_close_matches(str(value), [str(c) for c in choices if c is not None], n=1)
+        if value not in allowed:
+            shown = ", ".join("null" if c is None else str(c) for c in allowed)
+            hint = difflib.get_close_matches(str(value), [str(c) for c in allowed if c is not None], n=1)
             errors.append(f"{path} = {value!r} is not one of: {shown}"
                           + (f"; did you mean '{hint[0]}'?" if hint else ""))
     for path in POSITIVE:

@@ -208,7 +208,8 @@ def hf_to_megatron(hf_dir: str, out_dir: str, *, tensor_model_parallel_size: int
 
 # ---- Megatron -> HF --------------------------------------------------------------------------------------
 
-def _ckpt_tensor_meta(ckpt_dir: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def ckpt_tensor_meta(ckpt_dir: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor's global shape and dtype in a torch_dist checkpoint, from its metadata (no tensor is read)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -265,7 +266,7 @@ def validate_megatron_checkpoint(spec: HFModelSpec, ckpt_dir: str, model) -> Non
 
     if not check_is_distributed_checkpoint(ckpt_dir):
         raise FileNotFoundError(f"{ckpt_dir} is not a Megatron dist checkpoint (no metadata.json)")
-    have = _ckpt_tensor_meta(ckpt_dir)
+    have = ckpt_tensor_meta(ckpt_dir)
     want = {}
     sd = model.sharded_state_dict()
     apply_factories(sd)  # e.g. the gated fc1 is a factory of gate/up halves under one key
@@ -330,7 +331,7 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, hf_config: str | None = None,
 
     if not check_is_distributed_checkpoint(ckpt_dir):
         raise FileNotFoundError(f"{ckpt_dir} is not a Megatron dist checkpoint (no metadata.json)")
-    meta = _ckpt_tensor_meta(ckpt_dir)
+    meta = ckpt_tensor_meta(ckpt_dir)
     emb = meta.get("embedding.word_embeddings.weight")
     ckpt_dtype = emb[1] if emb else torch.float32
     out_dtype = parse_dtype(dtype) or ckpt_dtype
@@ -394,7 +395,7 @@ def verify_logits(hf_dir: str, ckpt_dir: str, *, seq_len: int = 32, batch: int =
     ids = torch.randint(0, spec.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
     ref = hf(input_ids=ids).logits.float()
     del hf
-    meta = _ckpt_tensor_meta(ckpt_dir)
+    meta = ckpt_tensor_meta(ckpt_dir)
     ckpt_dtype = meta["embedding.word_embeddings.weight"][1]
     with _single_process_megatron():
         model = _build(spec, ckpt_dtype)

@@ -56,27 +56,16 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
 
-def model_shape(hf_config: dict) -> ModelShape:
-    """Read the size-relevant fields of a Llama/Qwen2/Qwen3-style config.json; a missing one is an error."""
-    need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-    missing = [k for k in need if not hf_config.get(k)]
-    if missing:
-        raise ValueError(f"HF config lacks {missing}; give the model's config.json (model.hf_config)")
-    h, heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
-    mtype = str(hf_config.get("model_type", ""))
-    return ModelShape(
-        hidden=h,
-        layers=int(hf_config["num_hidden_layers"]),
-        heads=heads,
-        kv_heads=int(hf_config.get("num_key_value_heads") or heads),
-        head_dim=int(hf_config.get("head_dim") or h // heads),
-        ffn=int(hf_config["intermediate_size"]),
-        vocab=int(hf_config["vocab_size"]),
-        tied=bool(hf_config.get("tie_word_embeddings", False)),
-        # Qwen2/2.5 have q/k/v biases; Llama and Qwen3 say so with attention_bias (default False)
-        qkv_bias=bool(hf_config.get("attention_bias", mtype == "qwen2")),
-        qk_norm=mtype.startswith("qwen3"),
-    )
+def model_shape(hf_config) -> ModelShape:
+    """The size-relevant facts of a supported config (dict, directory or config.json), as
+    models.hf_config.read_hf_config reads them for building the model (UnsupportedModelError otherwise)."""
+    from m2po_megatron.models.hf_config import read_hf_config
+
+    spec = read_hf_config(hf_config)
+    return ModelShape(hidden=spec.hidden_size, layers=spec.num_layers, heads=spec.num_attention_heads,
+                      kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim, ffn=spec.intermediate_size,
+                      vocab=spec.vocab_size, tied=spec.tie_word_embeddings, qkv_bias=spec.qkv_bias,
+                      qk_norm=spec.qk_norm)
 
 
 def layer_params(s: ModelShape) -> tuple[int, int]:

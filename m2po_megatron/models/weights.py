@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Iterable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -184,16 +184,3 @@ def to_hf(spec: HFModelSpec, rule: Rule, shards: Sequence[torch.Tensor], layer: 
         q, k, v = torch.split(g, [qpg * hd, hd, hd], dim=1)
         return [(names[0], q.reshape(-1, *tail)), (names[1], k.reshape(-1, *tail)), (names[2], v.reshape(-1, *tail))]
     raise ValueError(kind)
-
-
-def tp_split_dim(rule: Rule) -> int | None:
-    """Dimension a parameter is split on across TP ranks (None: replicated)."""
-    return {"replicated": None, "row": 1}.get(rule.kind, 0)
-
-
-def hf_state_to_megatron(spec: HFModelSpec, get: Callable[[str], torch.Tensor], names: Iterable[str],
-                         tp_rank: int = 0, tp_size: int = 1) -> Iterable[tuple[str, torch.Tensor]]:
-    """Stream (megatron_name, shard) for the given Megatron names, fetching HF tensors lazily with `get`."""
-    for name in names:
-        rule, layer = rule_for(spec, name)
-        yield name, to_megatron_shard(spec, rule, [get(n) for n in hf_names(rule, layer)], tp_rank, tp_size)

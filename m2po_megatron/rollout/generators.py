@@ -97,7 +97,7 @@ class GroupMaker:
         self.sampling, self.n, self.seed = sampling, n, seed
         self.reward_lock = threading.Lock()  # the reward pool serves one caller at a time
         self.reward_stats: dict = {}
-        self.gen_tokens, self.gen_seconds = 0, 0.0
+        self.gen_tokens = 0
         self._tp_mark: Optional[tuple[float, int]] = None  # (time, gen_tokens) at the previous stats()
 
     def new_group(self, gid: str, row: dict) -> Group:
@@ -108,7 +108,6 @@ class GroupMaker:
         # A per-group seed makes sampling reproducible (fixed_lag resume equality) and independent of
         # which other requests a server happens to batch with.
         seed = zlib.crc32(f"{self.seed}/{group.group_id}".encode()) & 0x7FFFFFFF
-        group.t_submit = time.perf_counter()
         return self.client.submit(group.prompt_ids, dict(self.sampling, sampling_seed=seed), n=self.n)
 
     def fill(self, group: Group, results) -> Group:
@@ -158,7 +157,6 @@ class SyncGenerator:
         self.lock = threading.Lock()  # single-threaded; the loop takes it as it does the async one's
         self.next_gid = 0
         self.warmup_iterations = 0
-        self.gen_seconds = 0.0
 
     def _generate_batch(self) -> list[Group]:
         groups = []
@@ -167,7 +165,6 @@ class SyncGenerator:
             self.next_gid += 1
             groups.append(self.maker.new_group(gid, self.prompts.next()))
             self.ledger.add(sample_ids_for(gid, self.maker.n))
-        t0 = time.perf_counter()
         futures = [self.maker.submit(g) for g in groups]
         deadline = time.monotonic() + self.timeout_s
         for g, f in zip(groups, futures):
@@ -176,7 +173,6 @@ class SyncGenerator:
             except TimeoutError:
                 raise TimeoutError(f"group {g.group_id}: no answer from the rollout servers within "
                                    f"{self.timeout_s:.0f} s") from None
-        self.gen_seconds += time.perf_counter() - t0
         self.maker.score(groups)
         if self.recompute is not None:  # the released code: behaviour log-probs from the trainer
             self.recompute(groups)
@@ -224,7 +220,7 @@ class SyncGenerator:
     def pending(self) -> int:
         if self.queue is None:
             return 0
-        return sum(len(g.samples) for b in self.queue.state_dict()["queue"] for g in b["payload"])
+        return sum(len(g.samples) for groups in self.queue.payloads() for g in groups)
 
     def state_dict(self) -> dict:
         s = {"next_gid": self.next_gid, "warmup_iterations": self.warmup_iterations}
@@ -253,7 +249,6 @@ class AsyncGenerator:
         self.finished: dict[str, Group] = {}
         self.inflight: dict[str, Group] = {}
         self.discard: set[str] = set()
-        self.restart_drops = 0  # groups dropped because a restarted server answered with old weights
         self.regenerate: list[dict] = []  # prompts in flight at a checkpoint, regenerated first on resume
         self.next_gid = 0
         self.error: Optional[BaseException] = None
@@ -316,7 +311,6 @@ class AsyncGenerator:
                 # and answered before the loop re-synced it. Not trainable within the bound: drop.
                 self.ctl.on_dropped(gid)
                 self.ledger.drop(group.sample_ids, "aborted")
-                self.restart_drops += 1
                 return
             self.ctl.on_generated(gid, oldest)
             self.finished[gid] = group

@@ -508,15 +508,6 @@ def _receive(pg, dtypes, shapes):
     return out
 
 
-def serialize_named_tensors(named) -> str:
-    """Body element for the CPU server's /update_weights_from_tensor (base64 of torch.save)."""
-    import torch
-
-    buf = io.BytesIO()
-    torch.save([(n, t.detach().cpu()) for n, t in named], buf)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m m2po_megatron.rollout.local_server",
                                 description="CPU server speaking SGLang's HTTP protocol (subset).")

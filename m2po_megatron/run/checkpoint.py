@@ -6,7 +6,10 @@ from pathlib import Path
 
 
 def checkpoint_step(path) -> int:
-    return 0 if path is None else int(Path(path).name.split("_")[-1])
+    """The step a checkpoint to resume from holds (0: none, start fresh)."""
+    from m2po_megatron.run.state import CheckpointManager
+
+    return 0 if path is None else CheckpointManager.step_of(path)
 
 
 def resume_hint(ckpts) -> str:

@@ -26,7 +26,6 @@ from m2po_megatron.config import ConfigError
 from m2po_megatron.run.checkpoint import checkpoint_step
 
 LOCK = ".lock"
-RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints")
 
 
 class RunDirLock:

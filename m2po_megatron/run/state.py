@@ -174,6 +174,14 @@ class CheckpointManager:
     def is_complete(path: PathLike) -> bool:
         return (Path(path) / MARKER).is_file()
 
+    @staticmethod
+    def step_of(path: PathLike) -> int:
+        """The step a checkpoint directory (step_XXXXXXX) holds."""
+        m = _STEP_RE.match(Path(path).name)
+        if m is None:
+            raise ValueError(f"{path}: not a checkpoint directory (step_XXXXXXX)")
+        return int(m.group(1))
+
     def complete_steps(self) -> list[int]:
         """Steps of complete checkpoints, ascending; dirs without the marker are ignored."""
         if not self.root.is_dir():

@@ -51,6 +51,10 @@ class FixedLagQueue:
         """True while the queue does not yet hold k batches (the next push will not release one)."""
         return len(self._queue) < self.lag_steps
 
+    def payloads(self) -> list[Any]:
+        """The queued batches' payloads, oldest first."""
+        return [b.payload for b in self._queue]
+
     def push(self, payload: Any, version: int) -> None:
         """Enqueue a batch just generated with weights `version`."""
         version = nonneg_int("version", version)

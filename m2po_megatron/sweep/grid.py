@@ -394,16 +394,16 @@ def _job_log_state(run_dir: Path) -> Optional[str]:
 
 
 def last_metrics(run_dir: Path) -> Optional[dict]:
-    """The last complete JSON line of RUN_DIR/metrics.jsonl (a partially written last line is skipped)."""
+    """The last row of RUN_DIR/metrics.jsonl (run.metrics.read_metrics: a partially written last line is
+    skipped); None when there is none or the file is damaged (the run's own reader names the line)."""
+    from m2po_megatron.run.metrics import read_metrics
+
     f = run_dir / "metrics.jsonl"
-    if not f.is_file():
+    try:
+        rows = read_metrics(f) if f.is_file() else []
+    except ValueError:
         return None
-    for line in reversed(f.read_text().splitlines()):
-        try:
-            return json.loads(line)
-        except json.JSONDecodeError:
-            continue
-    return None
+    return rows[-1] if rows else None
 
 
 def status(target: str | Path) -> list[dict]:

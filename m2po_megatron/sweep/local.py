@@ -58,12 +58,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def checkpoint_step(run_dir: Path) -> int:
+def latest_checkpoint_step(run_dir: Path) -> int:
     """The step of the run's latest complete checkpoint (0 if none)."""
     from m2po_megatron.run.state import CheckpointManager
 
-    latest = CheckpointManager(run_dir / "checkpoints", keep_last=0).latest()
-    return int(latest.name.split("_")[-1]) if latest else 0
+    steps = CheckpointManager(run_dir / "checkpoints", keep_last=0).complete_steps()
+    return steps[-1] if steps else 0
 
 
 def local_state(run_dir: Path, steps: int) -> str:
@@ -83,7 +83,7 @@ def local_state(run_dir: Path, steps: int) -> str:
         rc = last[-1].split("=")[-1]
         if rc != "0":
             return f"FAILED(rc={rc})"
-        return "COMPLETED" if checkpoint_step(run_dir) >= steps else "STOPPED"
+        return "COMPLETED" if latest_checkpoint_step(run_dir) >= steps else "STOPPED"
     return last[0]
 
 
@@ -281,7 +281,7 @@ def _start(lr: LocalRun, out, parallel: int) -> None:
     logs = lr.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     lr.log = open(logs / LOCAL_LOG, "a")
-    resume = checkpoint_step(lr.run_dir)
+    resume = latest_checkpoint_step(lr.run_dir)
     lr.t0 = time.monotonic()
     lr.proc = subprocess.Popen(_command(lr.run), stdout=lr.log, stderr=subprocess.STDOUT, env=_env(parallel),
                                start_new_session=True)
