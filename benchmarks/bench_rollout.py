@@ -116,7 +116,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     os.environ["M2PO_CPU_SERVER_THREADS"] = str(args.threads)
     from m2po_megatron.rollout.launcher import ServerProcess, ServerSpec
-    from m2po_megatron.rollout.weight_sync import DistributedWeightSync, hf_buckets
+    from m2po_megatron.convert.export import hf_buckets
+    from m2po_megatron.rollout.weight_sync import DistributedWeightSync
 
     tmp = tempfile.mkdtemp(prefix="bench_rollout_")
     model = make_model(os.path.join(tmp, "model"), args.vocab, args.hidden, args.layers)

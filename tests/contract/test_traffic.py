@@ -71,7 +71,8 @@ def _project_traffic(url: str, tiny_model_dir: str) -> None:
     from m2po_megatron.rollout.generators import GroupMaker, rollout_sampling
     from m2po_megatron.rollout.client import SyncRolloutClient
     from m2po_megatron.rollout.launcher import wait_healthy
-    from m2po_megatron.rollout.weight_sync import DistributedWeightSync, hf_buckets
+    from m2po_megatron.convert.export import hf_buckets
+    from m2po_megatron.rollout.weight_sync import DistributedWeightSync
     from m2po_megatron.rollout.samples import Group
 
     cfg = load_config(ROOT / "recipes" / "tiny-cpu.yaml", [f"rollout.max_new_tokens={CONTEXT // 4}",

@@ -10,7 +10,8 @@ import torch
 
 from m2po_megatron.rollout import _http
 from m2po_megatron.rollout.client import RolloutClient, SyncRolloutClient
-from m2po_megatron.rollout.weight_sync import DistributedWeightSync, hf_buckets
+from m2po_megatron.convert.export import hf_buckets
+from m2po_megatron.rollout.weight_sync import DistributedWeightSync
 from tests.rollout.conftest import hf_logprobs, local_server
 
 KEY = "test-secret-key"
