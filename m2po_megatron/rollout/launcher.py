@@ -402,6 +402,9 @@ class EngineManager:
         self._dead_restarts: list[int] = [0] * len(self.specs)  # restarts counted by actors that died
         self._last: list[dict] = [{} for _ in self.specs]  # the latest info of each server
         self._gone: list[dict | None] = [None] * len(self.specs)  # servers given up on, and why
+        self._lock = threading.RLock()  # info() and respawns: the loop's calls and the actor watch
+        self._closing = threading.Event()
+        self._watch: threading.Thread | None = None
 
     def log_path(self, i: int) -> str:
         return str(self.run_dir / "rollout" / f"server_{i}.log")
@@ -458,6 +461,17 @@ class EngineManager:
     def _start_ray(self) -> None:
         self.servers = [self._new_actor(i, spec) for i, spec in enumerate(self.specs)]
         self.urls = self._get([a.start.remote() for a in self.servers], "starting the rollout servers")
+        self._watch = threading.Thread(target=self._watch_actors, name="rollout-actor-watch", daemon=True)
+        self._watch.start()
+
+    def _watch_actors(self, period_s: float = 1.0) -> None:
+        """Replace a dead server actor within about a second (`info` does it), whatever the loop is doing:
+        the loop may be blocked waiting for that very server's answers, so it cannot be the one to notice."""
+        while not self._closing.wait(period_s):
+            try:
+                self.info()
+            except Exception as e:  # noqa: BLE001 - the loop's own info() calls report it; keep watching
+                print(f"[m2po] watching the rollout server actors: {type(e).__name__}: {e}", flush=True)
 
     def _respawn(self, i: int, cause: BaseException) -> dict:
         """Server i's Ray actor died (its server process went with it, PR_SET_PDEATHSIG): start a new actor
@@ -465,6 +479,9 @@ class EngineManager:
         entry saying why (kept: a server given up on is not retried)."""
         import ray
 
+        if self._closing.is_set():  # stopped by shutdown, not dead
+            return {"url": self.urls[i], "alive": False, "restarts": self._dead_restarts[i],
+                    "log": self.log_path(i), "pid": None, "actor_pid": None, "last_error": "shut down"}
         last = self._last[i]
         self._dead_restarts[i] = (last["restarts"] if last else self._dead_restarts[i]) + 1
         down = {"url": self.urls[i], "alive": False, "restarts": self._dead_restarts[i], "log": self.log_path(i),
@@ -483,6 +500,9 @@ class EngineManager:
         spec = dataclasses.replace(self.specs[i], host=host.strip("[]"), port=int(port))
         self.servers[i] = self._new_actor(i, spec, bind_wait_s=30.0,
                                           max_restarts=self.max_restarts - self._dead_restarts[i])
+        if self._closing.is_set():  # shutdown began meanwhile: leave nothing behind
+            ray.kill(self.servers[i])
+            return down
         try:
             self._get(self.servers[i].start.remote(), f"restarting rollout server {self.urls[i]} after its actor died")
             info = self._get(self.servers[i].info.remote(), f"rollout server {self.urls[i]}")
@@ -496,6 +516,10 @@ class EngineManager:
         server whose Ray actor died is restarted here (within max_restarts), not reported as a crash."""
         if not self.use_ray:
             return [s.info() for s in self.servers]
+        with self._lock:
+            return self._ray_info()
+
+    def _ray_info(self) -> list[dict]:
         import ray
 
         out = []
@@ -525,6 +549,9 @@ class EngineManager:
         if self.use_ray:
             import ray
 
+            self._closing.set()
+            if self._watch is not None:
+                self._watch.join(timeout=10)  # a respawn under way sees _closing and kills what it started
             for a in self.servers:
                 try:
                     ray.get(a.stop.remote(), timeout=60)

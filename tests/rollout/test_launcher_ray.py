@@ -1,7 +1,9 @@
-"""The local engine launched through a Ray actor: healthy, serves, restarted after a crash, within budget."""
+"""The local engine launched through a Ray actor: healthy, serves, restarted after a crash, within budget; a dead
+actor replaced while nobody asks."""
 import asyncio
 import os
 import shutil
+import signal
 import tempfile
 import time
 
@@ -61,5 +63,22 @@ def test_ray_actor_serves_and_restarts_within_budget(ray_local, tiny_model_dir, 
         mgr.kill_server(0)  # the budget (1 restart) is spent: it stays down and says why
         _wait(lambda: "budget" in (mgr.info()[0]["last_error"] or ""), "restart budget not reported", 60)
         assert not mgr.info()[0]["alive"] and mgr.info()[0]["restarts"] == 1
+    finally:
+        mgr.shutdown()
+
+
+def test_a_dead_actor_is_replaced_while_nobody_asks(ray_local, tiny_model_dir, tmp_path):
+    """The loop may be blocked waiting for the very server whose actor died, so the manager must notice by
+    itself: a request sent after the kill is answered though nothing here calls info()."""
+    mgr = EngineManager([ServerSpec(model_path=tiny_model_dir, engine="local")], run_dir=str(tmp_path),
+                        use_ray=True, max_restarts=1, health_timeout_s=180)
+    try:
+        (url,) = mgr.start()
+        before = mgr.info()[0]
+        os.kill(before["actor_pid"], signal.SIGKILL)
+        out, stats = asyncio.run(_one(url, with_stats=True))  # waits for a server on the URL (up to 200 s)
+        assert len(out.output_ids) == 4 and stats.failed == 0
+        after = mgr.info()[0]
+        assert after["restarts"] == 1 and after["alive"] and after["actor_pid"] != before["actor_pid"]
     finally:
         mgr.shutdown()
