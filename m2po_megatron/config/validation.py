@@ -244,13 +244,33 @@ def _missing_file_hint(cfg: DictConfig, path: str, value: str, what: str) -> str
     weights and data through M2PO_MODELS_DIR / M2PO_DATA_DIR."""
     raw = _raw(cfg, path)
     if "tiny-task" in value:
-        return "the tiny task is built by `m2po demo` (or `make demo`) under .cache/tiny-task; run it once"
+        return _tiny_task_hint(value)
     for env, how in (("M2PO_MODELS_DIR", "the directory holding the HF weights"),
                      ("M2PO_DATA_DIR", "DIR where `m2po prepare-data ... --out DIR/deepscaler` wrote")):
         if env in raw:
             return (f"set {env} to {how} (now {os.environ.get(env, 'unset')}; the recipe reads {raw}), or "
                     f"validate the recipe without files: `m2po config RECIPE --no-check-files`")
     return f"give an existing {what}, or validate without files: `m2po config RECIPE --no-check-files`"
+
+
+# The tiny-task directories the project's own commands build, and the command that builds each.
+_TINY_TASK_BUILDERS = {
+    ".cache/tiny-task": "`m2po demo` (or `make demo`)",
+    ".cache/tiny-task-toy": "`make toy-table1` (or `python tools/build_tiny_model.py .cache/tiny-task-toy --seed 0 "
+                           "--target-accuracy 0.4`)",
+}
+
+
+def _tiny_task_hint(value: str) -> str:
+    """Name the missing tiny-task directory of `value` and the command that builds it."""
+    parts = Path(os.path.expanduser(value)).parts
+    i = next(k for k, p in enumerate(parts) if "tiny-task" in p)
+    task_dir = str(Path(*parts[:i + 1]))
+    for known, how in _TINY_TASK_BUILDERS.items():
+        if task_dir == known or task_dir.endswith("/" + known):
+            return f"the tiny task {task_dir} is built by {how}; run it once"
+    return (f"the tiny task {task_dir} is built by `python tools/build_tiny_model.py {task_dir} --seed 0`; "
+            "run it once")
 
 
 def _check_data_files(cfg: DictConfig, errors: list[str]) -> None:

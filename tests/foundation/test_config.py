@@ -204,7 +204,21 @@ def test_missing_files_name_the_fix(tmp_path, monkeypatch):
     msg = err(tmp_path, recipe="paper/qwen3-1.7b-base")
     assert "set M2PO_MODELS_DIR" in msg and "--no-check-files" in msg and "M2PO_DATA_DIR" in msg
     assert "deepscaler/eval/math500.jsonl" in msg  # where `prepare-data --out DIR/deepscaler` writes them
-    assert "`m2po demo`" in err(tmp_path, recipe="tiny-cpu")  # no .cache/tiny-task here: a fresh checkout
+    msg = err(tmp_path, recipe="tiny-cpu")  # no .cache/tiny-task here: a fresh checkout
+    assert "the tiny task .cache/tiny-task is built by `m2po demo`" in msg
+
+
+def test_a_missing_tiny_task_names_the_command_that_builds_that_directory(tmp_path, monkeypatch):
+    """The toy sweep's task is .cache/tiny-task-toy, which `make toy-table1` builds, not `m2po demo`; any
+    other tiny-task directory gets the builder's own command line."""
+    monkeypatch.chdir(tmp_path)
+    toy = ["model.hf_path=.cache/tiny-task-toy", "data.train_path=.cache/tiny-task-toy/train.jsonl",
+           "data.eval_paths=[.cache/tiny-task-toy/eval.jsonl]"]
+    msg = err(tmp_path, toy, recipe="tiny-cpu")
+    assert "the tiny task .cache/tiny-task-toy is built by `make toy-table1`" in msg and "m2po demo" not in msg
+    other = [o.replace("tiny-task-toy", "tiny-task-seed3") for o in toy]
+    msg = err(tmp_path, other, recipe="tiny-cpu")
+    assert "`python tools/build_tiny_model.py .cache/tiny-task-seed3 --seed 0`" in msg
 
 
 def test_layout_errors_and_group_size_one_exit_2_not_a_traceback():
