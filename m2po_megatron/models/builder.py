@@ -11,6 +11,7 @@ from typing import Any
 from m2po_megatron.infra.device import has_cuda
 from m2po_megatron.models.hf_config import HFModelSpec, UnsupportedModelError, read_hf_config
 from m2po_megatron.models.layout import validate_layout
+from m2po_megatron.models.norm import norms_to_params_dtype
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
@@ -192,6 +193,7 @@ def build_gpt_model(hf_config: Any, config, *, pre_process: bool | None = None, 
         emb.inv_freq = emb._apply_scaling(base, factor=rs["factor"], low_freq_factor=rs["low_freq_factor"],
                                           high_freq_factor=rs["high_freq_factor"],
                                           original_max_position_embeddings=rs["original_max_position_embeddings"])
+    norms_to_params_dtype(model, config.params_dtype)  # torch's RMSNorm is built fp32 (models/norm.py)
     if has_cuda():
         model.cuda(torch.cuda.current_device())
     return model
