@@ -104,8 +104,10 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype=None, tensor_mode
         sequence_parallel=bool(sequence_parallel and tp > 1), params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         pipeline_dtype=_dtype(pipeline_dtype) or dtype, fp8=fp8, fp8_recipe=fp8_recipe or "delayed",
-        # Fused kernels need CUDA; the pure-PyTorch paths are used on CPU.
-        bias_activation_fusion=cuda, bias_dropout_fusion=cuda, masked_softmax_fusion=False,
+        # The same on every device (benchmarks/bench_fusions.py, docs/models.md "Fusions"): megatron's SwiGLU
+        # Function (torch.compile'd; saves its input only) pays; bias-dropout-add has nothing to fuse without
+        # biases and dropout.
+        bias_activation_fusion=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True, use_cpu_initialization=not cuda,
     )
