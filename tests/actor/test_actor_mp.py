@@ -78,10 +78,11 @@ def test_train_step_layouts_match_tp1_and_checkpoint_reshards(tmp_path):
 def test_distributed_adamw_resume_equals_uninterrupted_run(tmp_path):
     """Distributed optimizer (DP2) over torch's AdamW (megatron's optimizer without TE/Apex, on any device):
     save after one update, load into a fresh actor, and the next two updates are bit-identical to the
-    uninterrupted run, with torch's per-parameter (CPU default) and foreach (CUDA default) kernels; every
-    parameter holds its own 'step' tensor at 3. (megatron 0.19.2 alone: KeyError 'step' on load, and past that
-    one 'step' tensor shared by all parameters, incremented once per parameter.)"""
-    out = run_multiprocess(w.resume_worker, 2, args=(str(tmp_path),), timeout=220)
+    uninterrupted run, with torch's foreach kernel (its CUDA default; the per-parameter kernel, its CPU default,
+    is checked the same way at DP2 by the layout test above); every parameter holds its own 'step' tensor at 3.
+    (megatron 0.19.2 alone: KeyError 'step' on load, and past that one 'step' tensor shared by all parameters,
+    incremented once per parameter.)"""
+    out = run_multiprocess(w.resume_worker, 2, args=(str(tmp_path), (True,)), timeout=220)
     for rank, res in enumerate(out):
         for foreach, r in res.items():
             assert r["dp"] == 2 and r["updates_b"] == 3
