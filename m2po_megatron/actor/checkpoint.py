@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from . import torch_adam
+
 if TYPE_CHECKING:
     from .actor import MegatronActor
 
@@ -85,40 +87,18 @@ def load(actor: "MegatronActor", path: str) -> None:
                          f"its optimizer state into the other kind: set parallel.use_distributed_optimizer="
                          f"{str(saved_distopt).lower()} to resume from it")
     same_layout = (layout.get("tp"), layout.get("pp")) == (actor.tp_size, actor.pp_size)
-    _ensure_optimizer_state(actor.optimizer)
+    torch_adam.ensure_state(actor.optimizer)
     sd = sharded_state_dict(actor, is_loading=True)
     if not same_layout:
         sd.pop("rng_state")
     loaded = dist_checkpointing.load(sd, path)
     actor.model_chunks()[0].load_state_dict(loaded["model"])
-    actor.optimizer.load_state_dict(loaded["optimizer"])
+    torch_adam.load_state_dict(actor.optimizer, loaded["optimizer"])
     actor.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     actor.updates_applied = int(loaded["updates_applied"])
     if same_layout and "rng_state" in loaded:
         torch.set_rng_state(loaded["rng_state"]["torch"])
         _rng_tracker().set_states(loaded["rng_state"]["tracker"])
-
-
-def _ensure_optimizer_state(optimizer) -> None:
-    """A fresh optimizer has no state tensors yet; the checkpoint loader needs them allocated (Megatron-LM
-    does the same before loading)."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        fn = getattr(opt, "init_state_fn", None)
-        inner = getattr(opt, "optimizer", None)
-        if fn is not None and inner is not None and len(inner.state) == 0:
-            fn(inner, getattr(opt, "config", None))
-            # megatron's init_state_fn omits torch Adam's 'step' (TE's Adam keeps it elsewhere), but its
-            # state_dict() reads it; the loaded value replaces this placeholder.
-            for st in inner.state.values():
-                st.setdefault("step", _StepPlaceholder(0.0))
-
-
-class _StepPlaceholder(float):
-    """Adam's 'step' before loading: not a tensor (megatron copies every tensor state from the checkpoint,
-    where 'step' is stored apart), but with .item() for DistributedOptimizer.state_dict()."""
-
-    def item(self):
-        return float(self)
 
 
 def _rng_tracker():

@@ -1,4 +1,5 @@
-"""Lets megatron-core 0.19.x run on CPU over gloo. Active only when CUDA is absent; nothing else knows about it.
+"""Lets megatron-core 0.19.x run on CPU over gloo by mapping its CUDA device to the CPU, and nothing else. Active
+only when CUDA is absent; nothing else knows about it.
 
 megatron-core assumes a GPU in a handful of places (docs/models.md, "megatron-core on CPU"): tensors allocated with
 `device="cuda"` / `torch.cuda.current_device()` / `.cuda()`, the CUDA RNG tracker, `torch.cuda.synchronize`,
@@ -11,9 +12,11 @@ On a machine without CUDA the CPU *is* the device, so this module:
 2. replaces the process-wide `torch.cuda` entry points megatron calls (current_device, synchronize, streams,
    events, RNG state, memory counters) with CPU equivalents; `torch.cuda.Stream`/`Event` stay classes because
    transformers evaluates `torch.cuda.Stream | None` at import time;
-3. makes megatron's RNG tracker keep CPU generator states;
-4. lets a distributed-optimizer checkpoint load into PyTorch's Adam (megatron's CPU optimizer), see
-   `_patch_torch_adam_dist_load`.
+3. makes megatron's RNG tracker keep CPU generator states (the "device" generator is the CPU generator; its
+   fork is megatron's, less the warning that the CPU state changed, which on CPU it always does).
+
+Everything that is not device mapping runs on every device and lives elsewhere: e.g. resuming torch's AdamW
+under the distributed optimizer is `actor/torch_adam.py`, the norm dtype and fusion choices are models/builder.py.
 
 Usage: call `activate()` once per process before building Megatron models (m2po_megatron.actor.parallel does
 it), and wrap work in other threads in `with cpu_mode():`.
@@ -193,35 +196,7 @@ def _patch_process() -> None:
         ):
             mrandom._CUDA_RNG_STATE_TRACKER = None
             mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
-    _patch_torch_adam_dist_load()
     _patched = True
-
-
-def _patch_torch_adam_dist_load() -> None:
-    """Without TE/Apex megatron runs PyTorch's Adam, which keeps a per-parameter 'step' tensor. When a
-    distributed-optimizer checkpoint is loaded, megatron restores 'step' from the param groups and leaves
-    it out of the per-parameter tensors, but 0.19.2 then copies every tensor of the live state, 'step'
-    included (KeyError 'step'). Hide the keys the checkpoint does not carry during that copy. Megatron also
-    hands every parameter the same 'step' tensor, which Adam increments in place once per parameter, so
-    each parameter gets its own copy (else every update after a resume uses a wrong bias correction)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    orig = DistributedOptimizer._set_main_param_and_optimizer_states
-    if getattr(orig, "_m2po_cpu", False):
-        return
-
-    def _set_main_param_and_optimizer_states(self, model_param, tensors):
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-        state = self.optimizer.state.get(main_param, {})
-        hidden = {k: state.pop(k) for k in list(state) if k not in tensors}
-        try:
-            orig(self, model_param, tensors)
-        finally:
-            state.update({k: v.clone() if torch.is_tensor(v) else v for k, v in hidden.items()})
-
-    _set_main_param_and_optimizer_states._m2po_cpu = True
-    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
 def _enter_thread_mode() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from m2po_megatron.infra.device import has_cuda
 from m2po_megatron.models.hf_config import HFModelSpec, UnsupportedModelError, read_hf_config
 from m2po_megatron.models.layout import validate_layout
+from m2po_megatron.models.norm import norms_to_params_dtype
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
@@ -103,8 +104,10 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype=None, tensor_mode
         sequence_parallel=bool(sequence_parallel and tp > 1), params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         pipeline_dtype=_dtype(pipeline_dtype) or dtype, fp8=fp8, fp8_recipe=fp8_recipe or "delayed",
-        # Fused kernels need CUDA; the pure-PyTorch paths are used on CPU.
-        bias_activation_fusion=cuda, bias_dropout_fusion=cuda, masked_softmax_fusion=False,
+        # The same on every device (benchmarks/bench_fusions.py, docs/models.md "Fusions"): megatron's SwiGLU
+        # Function (torch.compile'd; saves its input only) pays; bias-dropout-add has nothing to fuse without
+        # biases and dropout.
+        bias_activation_fusion=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True, use_cpu_initialization=not cuda,
     )
@@ -192,6 +195,7 @@ def build_gpt_model(hf_config: Any, config, *, pre_process: bool | None = None, 
         emb.inv_freq = emb._apply_scaling(base, factor=rs["factor"], low_freq_factor=rs["low_freq_factor"],
                                           high_freq_factor=rs["high_freq_factor"],
                                           original_max_position_embeddings=rs["original_max_position_embeddings"])
+    norms_to_params_dtype(model, config.params_dtype)  # torch's RMSNorm is built fp32 (models/norm.py)
     if has_cuda():
         model.cuda(torch.cuda.current_device())
     return model

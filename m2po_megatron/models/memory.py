@@ -105,14 +105,15 @@ def _stage_params(s: ModelShape, tp: int, pp: int) -> tuple[float, float]:
 
 def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = False, fp8: bool = False,
                          attention_backend: str = "sdpa", row_tokens: int = 0, recompute: Optional[str] = None,
-                         fused_kernels: bool = True) -> tuple[float, float, float]:
+                         fused_norm: bool = True) -> tuple[float, float, float]:
     """What one decoder layer saves for backward per token: (elements in the activation dtype, FP8 bytes,
     fp32 elements), tensor by tensor, on one TP rank. `row_tokens` (the packed row length) matters only for
-    the "local" backend's S x S scores. fused_kernels: CUDA's fused RMSNorm (saves its input and an fp32
-    rstd) and megatron's fused SwiGLU (saves its input); False gives what the CPU runs (torch's composite
-    RMSNorm keeps fp32 copies of the input and of the normalised input; the unfused SwiGLU keeps 5 x ffn),
-    which tests/test_memory.py measures against autograd's saved tensors in bf16. (fp32 activations, CPU
-    only, share some of the counted copies: the estimate is for bf16.)"""
+    the "local" backend's S x S scores. fused_norm: CUDA's fused RMSNorm (saves its input and an fp32 rstd;
+    torch uses it because the norm weights are built in the params dtype, models/norm.py); False gives what
+    the CPU runs (torch's composite RMSNorm keeps fp32 copies of the input and of the normalised input),
+    which tests/actor/test_memory_saved.py measures against autograd's saved tensors in bf16. SwiGLU is
+    megatron's fused Function on every device (saves its input). (fp32 activations, CPU only, share some of
+    the counted copies: the estimate is for bf16.)"""
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend = {attention_backend!r} must be one of {ATTENTION_BACKENDS}")
     rep = 1.0 / (tp if sequence_parallel else 1)  # hidden-sized tensors: sharded only by sequence parallel
@@ -122,7 +123,7 @@ def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = F
     lin = 0.0 if fp8 else 1.0  # linear inputs: kept in the activation dtype, or as an FP8 byte
     act = fp8b = f32 = 0.0
     # input_layernorm and pre_mlp_layernorm
-    if fused_kernels:
+    if fused_norm:
         act += 2 * h * rep
         f32 += 2 * rep
     else:
@@ -132,7 +133,7 @@ def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = F
     fp8b += 2 * h * rep * (1 - lin)
     # q_layernorm / k_layernorm (Qwen3): q is a reshaped copy of linear_qkv's output, k a view of it
     if s.qk_norm:
-        if fused_kernels:
+        if fused_norm:
             act += q
             f32 += heads + groups
         else:
@@ -143,7 +144,7 @@ def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = F
         gqa = heads != groups
         # linear_qkv's output stays alive when a view of it is saved: v (not repeated, or kept by the
         # recompute checkpoint) or k (fused k_layernorm)
-        qkv_alive = (s.qk_norm and fused_kernels) or not gqa or selective
+        qkv_alive = (s.qk_norm and fused_norm) or not gqa or selective
         act += (q + 2 * kv) if qkv_alive else 0.0
         if selective:  # the checkpoint keeps q and k as they enter core attention
             act += q + kv
@@ -164,8 +165,9 @@ def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = F
             # TE's FP8 copy
             act += q * lin
             fp8b += q * (1 - lin)
-    # MLP: linear_fc1's output (gate and up) kept by SwiGLU, linear_fc2's input
-    act += 2 * f + (0.0 if fused_kernels else 2 * f)
+    # MLP: linear_fc1's output (gate and up) kept by the fused SwiGLU (bias_activation_fusion; the unfused
+    # one would keep 2 x ffn more), linear_fc2's input
+    act += 2 * f
     act += f * lin
     fp8b += f * (1 - lin)
     return act, fp8b, f32

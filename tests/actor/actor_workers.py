@@ -163,6 +163,58 @@ weights after it."""
     return results
 
 
+def resume_worker(ckpt_dir: str, foreach_modes: tuple = (False, True)):
+    """Distributed optimizer (DP = world size) over torch's AdamW: run A updates once, saves, updates twice more
+    (uninterrupted); run B is a fresh actor that loads the checkpoint and makes the same two updates. Per foreach
+    mode (False: torch's per-parameter kernel, its CPU default; True: the multi-tensor kernel, its CUDA default):
+    the parameters after each update of both runs, and each run's final Adam 'step' values and how many distinct
+    'step' tensors its parameters hold."""
+    from m2po_megatron.actor.actor import MegatronActor
+
+    cfg = tiny_config("qwen2_untied")
+    hf = make_hf_model(cfg)
+    batches = [make_batch(n=8, vocab=cfg["vocab_size"], ref_model=hf, seed=s) for s in (1, 7, 11)]
+
+    def build(foreach):
+        actor = MegatronActor(hf_config=cfg, load_from=hf, micro_batch_tokens=80, optimizer="adam", lr=1e-2,
+                              weight_decay=0.1, clip_grad=0.0, loss_name="grpo", use_distributed_optimizer=True)
+        (part,) = actor.optimizer.chained_optimizers
+        assert type(part.optimizer).__name__ == "AdamW", type(part.optimizer)  # torch's, as without TE/Apex
+        for g in part.optimizer.param_groups:
+            g["foreach"] = foreach
+        return actor, part.optimizer
+
+    def params(actor):
+        return [p.detach().clone() for p in actor.model_chunks()[0].parameters()]
+
+    def steps(inner):
+        st = [s["step"] for s in inner.state.values()]
+        return sorted({float(t) for t in st}), len({id(t) for t in st}), len(st)
+
+    out = {}
+    for foreach in foreach_modes:
+        path = os.path.join(ckpt_dir, f"foreach{int(foreach)}")
+        a, inner_a = build(foreach)
+        a.train_step(batches[0])
+        a.save(path)
+        run_a = []
+        for b in batches[1:]:
+            a.train_step(b)
+            run_a.append(params(a))
+        steps_a = steps(inner_a)
+        a.close()
+        b_actor, inner_b = build(foreach)
+        b_actor.load(path)
+        run_b = []
+        for b in batches[1:]:
+            b_actor.train_step(b)
+            run_b.append(params(b_actor))
+        out[foreach] = {"a": run_a, "b": run_b, "steps_a": steps_a, "steps_b": steps(inner_b),
+                        "dp": b_actor.dp_size, "updates_b": b_actor.updates_applied}
+        b_actor.close()
+    return out
+
+
 def recompute_worker(settings):
     """One M2PO step (SGD, micro-batched) per recompute setting; returns loss, HF-named weights, and how often
     decoder layers and core attention ran forward (recompute re-runs them in backward)."""
