@@ -110,7 +110,8 @@ def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = F
     fp32 elements), tensor by tensor, on one TP rank. `row_tokens` (the packed row length) matters only for
     the "local" backend's S x S scores. fused_kernels: CUDA's fused RMSNorm (saves its input and an fp32
     rstd) and megatron's fused SwiGLU (saves its input); False gives what the CPU runs (torch's composite
-    RMSNorm keeps fp32 copies of the input and of the normalised input; the unfused SwiGLU keeps 5 x ffn),
+    RMSNorm keeps fp32 copies of the input and of the normalised input; the unfused SwiGLU keeps 5 x ffn;
+    the sdpa backend's flex kernel, run through torch's reference implementation, keeps a row max),
     which tests/test_memory.py measures against autograd's saved tensors in bf16. (fp32 activations, CPU
     only, share some of the counted copies: the estimate is for bf16.)"""
     if attention_backend not in ATTENTION_BACKENDS:
@@ -153,15 +154,17 @@ def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = F
             f32 += heads * row_tokens  # ... and in fp32 (attention_softmax_in_fp32)
         act += q * lin  # linear_proj input (the context)
         fp8b += q * (1 - lin)
-    else:  # fused attention (flash): q, k, v, the output and a log-sum-exp per head
+    else:  # fused attention (TE's flash, sdpa's flex): q, k, v, the output and a log-sum-exp per head
         act += q + 2 * kv  # linear_qkv's output, alive through the v view the kernel keeps
         act += q + kv  # q and k after RoPE
         if not selective:
-            act += q
+            act += q  # the output; flex lays it out like q, so linear_proj's input is a view of it
             f32 += heads
-        if attention_backend == "sdpa" or selective or fp8:
-            # a tensor of its own: the concatenated per-sequence outputs (sdpa), the recomputed output, or
-            # TE's FP8 copy
+            if attention_backend == "sdpa" and not fused_kernels:
+                f32 += heads  # the CPU's reference flex also keeps the row maximum of the scores
+        if selective or fp8:
+            # a tensor of its own: the recomputed output, or TE's FP8 copy. (sdpa's per-sequence fallback,
+            # which runs where flex cannot, also keeps its concatenated output: one q more, not counted.)
             act += q * lin
             fp8b += q * (1 - lin)
     # MLP: linear_fc1's output (gate and up) kept by SwiGLU, linear_fc2's input
