@@ -159,7 +159,8 @@ def module_worker():
         ref.append(torch.einsum("hqk,khd->qhd", p, vs[:, i].repeat_interleave(2, 1).double()).reshape(s, -1))
     res["sbhd_masked_out"] = float((o.double() - torch.stack(ref, 1)).abs().max())
     causal = attn(qs, ks, vs, None)
-    res["sbhd_causal_out"] = float((causal - attn(qs, ks, vs, ~torch.ones(b, 1, s, s, dtype=torch.bool).tril())).abs().max())
+    tril = torch.ones(b, 1, s, s, dtype=torch.bool).tril()
+    res["sbhd_causal_out"] = float((causal - attn(qs, ks, vs, ~tril)).abs().max())
     return res
 
 
