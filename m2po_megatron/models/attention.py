@@ -12,7 +12,8 @@ elementwise op from per-token positions (models.rope). PackedSDPAttention then r
   layers (and by recompute). On CUDA the kernel is `torch.compile(flex_attention, dynamic=True)`, compiled
   once per process: row lengths vary from micro-batch to micro-batch, and a dynamic-shape graph serves
   them all (padding rows to 128-token buckets would still leave ~230 shapes at 30,000-token rows, and
-  costs a copy of q/k/v per layer). It keeps q, k, v, its output (laid out like q, so linear_proj reads
+  costs a copy of q/k/v per layer). Dynamo adds at most a no-grad graph (log-prob passes) and one for rows
+  of a single tile (it specialises sizes of 1). It keeps q, k, v, its output (laid out like q, so linear_proj reads
   it as a view) and a log-sum-exp per query for backward; no S x S tensor.
 - "loop": the fallback, one fused `F.scaled_dot_product_attention(is_causal=True)` per sequence, used where
   flex cannot run: a CPU (torch 2.14's flex has no CPU backward, and its CPU reference path materialises
