@@ -82,6 +82,7 @@ def model_parity_worker(names):
 
         r = {f"{a}_vs_{b}": diff(res[a], ref if b == "hf" else res[b])
              for a, b in (("flex", "hf"), ("loop", "hf"), ("flex", "loop"), ("flex", "local"))}
+        r["logit_scale"] = float(ref["logits"].abs().max())
         r["grad_scale"] = max(float(g.abs().max()) for g in ref["grads"].values())
         r["num_checked"] = len(pairs)
         # positions given to forward are the ones RoPE uses (not 0..n-1): every other position, from 3

@@ -2,7 +2,9 @@
 per-sequence SDPA fallback, with RoPE from per-token positions, against HF transformers, megatron's dense
 local path, each other and a float64 reference, in forward and gradients (CPU, fp32). On CPU the flex kernel
 runs torch's reference implementation of the flex_attention operator (the compiled one is CUDA's; gpu test
-below). Tolerances: fp32 rounding, 1e-5 absolute on O(1) logits and outputs, 1e-5 relative on gradients."""
+below). Tolerances, fp32 rounding through the model: 3e-6 relative to the largest logit (the largest measured
+difference is 1.5e-6 of it, the loop's against HF on Llama-3.2), 1e-5 relative on gradients; 1e-5 absolute on
+one attention module against float64."""
 import pytest
 import torch
 
@@ -72,9 +74,10 @@ def test_sdpa_kernels_match_hf_each_other_and_the_dense_path():
     out = run_multiprocess(aw.model_parity_worker, 1, args=(names,), timeout=580)[0]
     for name, r in out.items():
         assert r["grad_scale"] > 1e-2 and r["num_checked"] >= 4, (name, r)
+        tol_logits = 3e-6 * max(1.0, r["logit_scale"])  # logits up to ~6: about 2e-5
         tol_grad = 1e-5 * max(1.0, r["grad_scale"])
         for pair in ("flex_vs_hf", "loop_vs_hf", "flex_vs_loop", "flex_vs_local"):
-            assert r[pair]["logits"] <= 1e-5, (name, pair, r)
+            assert r[pair]["logits"] <= tol_logits, (name, pair, r)
             assert r[pair]["grads"] <= tol_grad, (name, pair, r)
         # RoPE follows the position ids given to forward
         assert r["shift_matters"] > 1e-2 and r["shifted_positions"] <= 1e-5, (name, r)
