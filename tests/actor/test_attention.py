@@ -5,6 +5,8 @@ runs torch's reference implementation of the flex_attention operator (the compil
 below). Tolerances, fp32 rounding through the model: 3e-6 relative to the largest logit (the largest measured
 difference is 1.5e-6 of it, the loop's against HF on Llama-3.2), 1e-5 relative on gradients; 1e-5 absolute on
 one attention module against float64."""
+import shutil
+
 import pytest
 import torch
 
@@ -102,6 +104,36 @@ def test_block_mask_built_once_per_microbatch_and_no_host_reads_in_the_layers():
     for (layers, kernel), r in out.items():
         assert r["builds"] == (2 if kernel == "flex" else 0), (layers, kernel, r)
         assert r["host_reads"] == {}, (layers, kernel, r)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="torch.compile on CPU needs a C++ compiler")
+@pytest.mark.timeout(300)
+def test_the_compiled_flex_compiles_once_for_rows_of_any_length():
+    """The function CUDA runs (torch.compile(flex_attention, dynamic=True), models.attention._compiled_flex),
+    here compiled for CPU (forward only: torch's CPU flex has no backward): rows of four lengths (2 to 7 tiles)
+    give one graph, and its output equals the reference implementation the other CPU tests run. (A row of a
+    single tile would add one graph: dynamo specialises sizes of 1.)"""
+    import torch._dynamo
+
+    from m2po_megatron.models.attention import _compiled_flex, flex_row_attention, packed_row
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    g = torch.Generator().manual_seed(0)
+    graphs = []
+    for lens in ([300, 17, 200, 5], [400, 400, 47], [64] * 12 + [11], [129, 3]):
+        bounds = [0]
+        for n in lens:
+            bounds.append(bounds[-1] + n)
+        row = packed_row(bounds, "cpu")
+        q, k, v = (torch.randn(bounds[-1], 1, n, 16, generator=g).permute(1, 2, 0, 3) for n in (4, 2, 2))
+        with torch.no_grad():
+            out = _compiled_flex()(q, k, v, block_mask=row.block_mask(), scale=0.25, enable_gqa=True)
+            ref = flex_row_attention(q, k, v, row.block_mask(), 0.25)
+        assert float((out - ref).abs().max()) <= 1e-5
+        graphs.append(int(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
+    assert graphs == [1, 1, 1, 1], graphs
 
 
 @pytest.mark.gpu
