@@ -60,9 +60,9 @@ class MegatronActor:
         optimizer: "adam" (AdamW: decoupled weight decay) or "sgd". lr, min_lr, warmup_updates,
             lr_decay_steps, lr_schedule ("constant" | "cosine" | "linear"), weight_decay, adam_beta1,
             adam_beta2, adam_eps, clip_grad (0 = off). Scheduler steps count optimizer updates.
-        attention_backend: "auto" (TE where usable, else "sdpa") | "te" | "sdpa" (PyTorch's fused attention
-            per packed sequence, any device) | "local" (megatron's dense-mask attention; a reference), see
-            models.builder.resolve_attention_backend.
+        attention_backend: "auto" (TE where usable, else "sdpa") | "te" | "sdpa" (FlexAttention per packed
+            row on CUDA, fused SDPA per sequence elsewhere) | "local" (megatron's dense-mask attention; a
+            reference), see models.builder.resolve_attention_backend.
         loss_name: a loss of m2po_megatron.algo.losses (e.g. "m2po", "grpo"); loss_kwargs: its options.
         m2po_tau, m2po_rule ("remove" | "cap"), m2po_scope: "global" (the paper's batch-level mask over
             the whole optimizer mini-batch across DP ranks, from a no-grad forward at the current weights)

@@ -163,9 +163,10 @@ def build_microbatch(batch: TrainBatch, indices: Sequence[int], pad_multiple: in
 def model_inputs(mb: MicroBatch, device, attention_backend: str) -> dict:
     """GPTModel.forward's keyword arguments for one packed row, on `device` (the model's device).
 
-    "te" / "sdpa": THD packing (`PackedSeqParams` with cu_seqlens, no mask). TE's kernels read cu_seqlens on
-    the device; the sdpa backend and megatron's THD RoPE only split by it in Python, so it stays on the host
-    there (no device synchronisation per layer). "local": the dense [1, 1, S, S] mask (True = masked)."""
+    "te" / "sdpa": the row as a `models.attention.PackedRow` (no mask): host sequence bounds, per-token
+    document ids on the device, and for "te" TE's THD PackedSeqParams with cu_seqlens on the device; built
+    here once per micro-batch, so no layer reads cu_seqlens on the host. "local": the dense [1, 1, S, S]
+    mask (True = masked). Every backend takes RoPE from position_ids (models.rope)."""
     dev = torch.device(device)
     out = {"input_ids": mb.tokens.to(dev), "position_ids": mb.position_ids.to(dev)}
     if attention_backend == "local":
@@ -173,14 +174,24 @@ def model_inputs(mb: MicroBatch, device, attention_backend: str) -> dict:
         return out
     if attention_backend not in ("te", "sdpa"):
         raise ValueError(f"attention_backend={attention_backend!r}: use 'te', 'sdpa' or 'local'")
+    # --- packed row for te / sdpa (issue 20: one attention kernel per row; models.attention) ---
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu = mb.cu_seqlens()
-    longest = int((cu[1:] - cu[:-1]).max())
+    from m2po_megatron.models.attention import packed_row
+
+    bounds = [0]
+    for n in mb.lengths:
+        bounds.append(bounds[-1] + n)
+    if bounds[-1] < mb.seq_len:
+        bounds.append(mb.seq_len)  # trailing padding: a sequence of its own (as in MicroBatch.cu_seqlens)
+    thd = None
     if attention_backend == "te":
-        cu = cu.to(dev)
-    out.update(attention_mask=None, packed_seq_params=PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest))
+        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+        cu = mb.cu_seqlens().to(dev)
+        thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                              max_seqlen_kv=longest)
+    out.update(attention_mask=None, packed_seq_params=packed_row(bounds, dev, thd=thd))
+    # --- end packed row ---
     return out
 
 

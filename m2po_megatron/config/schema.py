@@ -32,8 +32,8 @@ class ModelSection:
     params_dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16
     fp8: Optional[str] = None  # null | e4m3 | hybrid (Transformer Engine only)
     fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise | mxfp8
-    # auto (te where Transformer Engine is usable, else sdpa) | te | sdpa (PyTorch fused attention per packed
-    # sequence) | local (megatron's dense-mask attention: S x S scores per layer; a reference)
+    # auto (te where Transformer Engine is usable, else sdpa) | te | sdpa (FlexAttention per packed row on
+    # CUDA, fused SDPA per sequence elsewhere) | local (megatron's dense-mask attention: S x S scores per layer)
     attention_backend: str = "auto"
 
 

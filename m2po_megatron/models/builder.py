@@ -124,9 +124,12 @@ def resolve_attention_backend(requested: str | None = "auto", *, cuda: bool | No
                               te: bool | None = None) -> str:
     """The attention backend a model is built with (pure when cuda and te are given):
     "te": Transformer Engine layers (fused attention on THD packed rows, FP8, sequence parallel), GPU only;
-    "sdpa": megatron's local layers with PyTorch's fused SDPA per packed sequence (models.attention), any device;
+    "sdpa": megatron's local layers with models.attention.PackedSDPAttention, any device: one FlexAttention
+    call per packed row (document-causal block mask, compiled) on CUDA, else (CPU, no Triton, attention
+    dropout) the fallback of one fused SDPA call per packed sequence;
     "local": megatron's own DotProductAttention with a dense block-diagonal mask (stores S x S scores per layer;
-    a reference, quadratic in the row length). "auto" (or None) is "te" where TE is usable, else "sdpa"."""
+    a reference, quadratic in the row length). "auto" (or None) is "te" where TE is usable, else "sdpa".
+    Every backend applies RoPE from per-token positions (models.rope)."""
     if cuda is None:
         cuda = has_cuda()
     if te is None:
@@ -142,24 +145,29 @@ def resolve_attention_backend(requested: str | None = "auto", *, cuda: bool | No
     return requested
 
 
-def layer_spec(spec: HFModelSpec, attention_backend: str | None = None):
-    """Megatron layer spec for a resolved attention backend (see resolve_attention_backend)."""
+def _with_core_attention(layer, core_attention):
     import dataclasses
 
+    attn = layer.submodules.self_attention
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, core_attention=core_attention))
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attn))
+
+
+def layer_spec(spec: HFModelSpec, attention_backend: str | None = None):
+    """Megatron layer spec for a resolved attention backend (see resolve_attention_backend). Packed rows
+    reach te and sdpa core attention as models.attention.PackedRow."""
     from megatron.core.models.gpt import gpt_layer_specs as s
+
+    from m2po_megatron.models import attention
 
     backend = resolve_attention_backend(attention_backend)
     if backend == "te":
-        return s.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+        te = s.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+        return _with_core_attention(te, attention.te_packed_core_attention())
     local = s.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
     if backend == "local":
         return local
-    from m2po_megatron.models.attention import PackedSDPAttention
-
-    attn = local.submodules.self_attention
-    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules,
-                                                                    core_attention=PackedSDPAttention))
-    return dataclasses.replace(local, submodules=dataclasses.replace(local.submodules, self_attention=attn))
+    return _with_core_attention(local, attention.PackedSDPAttention)
 
 
 def build_gpt_model(hf_config: Any, config, *, pre_process: bool | None = None, post_process: bool | None = None,
@@ -167,10 +175,12 @@ def build_gpt_model(hf_config: Any, config, *, pre_process: bool | None = None, 
                     parallel_output: bool = True):
     """One GPTModel (chunk) for this rank. pre_process/post_process default to this rank being the first/last
     pipeline stage (for vp_stage when given). attention_backend: see resolve_attention_backend (default:
-    TE where usable, else sdpa). Returns the model on the current device."""
+    TE where usable, else sdpa). RoPE comes from the position ids given to forward (models.rope).
+    Returns the model on the current device."""
     import torch
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
+
+    from m2po_megatron.models.rope import PositionRoPEGPTModel
 
     spec = hf_config if isinstance(hf_config, HFModelSpec) else read_hf_config(hf_config)
     if pre_process is None:
@@ -178,7 +188,7 @@ def build_gpt_model(hf_config: Any, config, *, pre_process: bool | None = None, 
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     rs = spec.rope_scaling
-    model = GPTModel(
+    model = PositionRoPEGPTModel(
         config=config, transformer_layer_spec=layer_spec(spec, attention_backend), vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         parallel_output=parallel_output, share_embeddings_and_output_weights=spec.tie_word_embeddings,

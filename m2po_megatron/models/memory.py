@@ -105,12 +105,13 @@ def _stage_params(s: ModelShape, tp: int, pp: int) -> tuple[float, float]:
 
 def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = False, fp8: bool = False,
                          attention_backend: str = "sdpa", row_tokens: int = 0, recompute: Optional[str] = None,
-                         fused_norm: bool = True) -> tuple[float, float, float]:
+                         cuda_kernels: bool = True) -> tuple[float, float, float]:
     """What one decoder layer saves for backward per token: (elements in the activation dtype, FP8 bytes,
     fp32 elements), tensor by tensor, on one TP rank. `row_tokens` (the packed row length) matters only for
-    the "local" backend's S x S scores. fused_norm: CUDA's fused RMSNorm (saves its input and an fp32 rstd;
-    torch uses it because the norm weights are built in the params dtype, models/norm.py); False gives what
-    the CPU runs (torch's composite RMSNorm keeps fp32 copies of the input and of the normalised input),
+    the "local" backend's S x S scores. cuda_kernels: the kernels a CUDA machine runs: torch's fused RMSNorm
+    (saves its input and an fp32 rstd; torch uses it because the norm weights are built in the params dtype,
+    models/norm.py) and the compiled flex attention; False gives what the CPU runs (torch's composite RMSNorm
+    keeps fp32 copies of the input and of the normalised input; torch's reference flex also keeps a row max),
     which tests/actor/test_memory_saved.py measures against autograd's saved tensors in bf16. SwiGLU is
     megatron's fused Function on every device (saves its input). (fp32 activations, CPU only, share some of
     the counted copies: the estimate is for bf16.)"""
@@ -123,7 +124,7 @@ def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = F
     lin = 0.0 if fp8 else 1.0  # linear inputs: kept in the activation dtype, or as an FP8 byte
     act = fp8b = f32 = 0.0
     # input_layernorm and pre_mlp_layernorm
-    if fused_norm:
+    if cuda_kernels:
         act += 2 * h * rep
         f32 += 2 * rep
     else:
@@ -133,7 +134,7 @@ def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = F
     fp8b += 2 * h * rep * (1 - lin)
     # q_layernorm / k_layernorm (Qwen3): q is a reshaped copy of linear_qkv's output, k a view of it
     if s.qk_norm:
-        if fused_norm:
+        if cuda_kernels:
             act += q
             f32 += heads + groups
         else:
@@ -144,7 +145,7 @@ def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = F
         gqa = heads != groups
         # linear_qkv's output stays alive when a view of it is saved: v (not repeated, or kept by the
         # recompute checkpoint) or k (fused k_layernorm)
-        qkv_alive = (s.qk_norm and fused_norm) or not gqa or selective
+        qkv_alive = (s.qk_norm and cuda_kernels) or not gqa or selective
         act += (q + 2 * kv) if qkv_alive else 0.0
         if selective:  # the checkpoint keeps q and k as they enter core attention
             act += q + kv
@@ -154,15 +155,17 @@ def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = F
             f32 += heads * row_tokens  # ... and in fp32 (attention_softmax_in_fp32)
         act += q * lin  # linear_proj input (the context)
         fp8b += q * (1 - lin)
-    else:  # fused attention (flash): q, k, v, the output and a log-sum-exp per head
+    else:  # fused attention (TE's flash, sdpa's flex): q, k, v, the output and a log-sum-exp per head
         act += q + 2 * kv  # linear_qkv's output, alive through the v view the kernel keeps
         act += q + kv  # q and k after RoPE
         if not selective:
-            act += q
+            act += q  # the output; flex lays it out like q, so linear_proj's input is a view of it
             f32 += heads
-        if attention_backend == "sdpa" or selective or fp8:
-            # a tensor of its own: the concatenated per-sequence outputs (sdpa), the recomputed output, or
-            # TE's FP8 copy
+            if attention_backend == "sdpa" and not cuda_kernels:
+                f32 += heads  # the CPU's reference flex also keeps the row maximum of the scores
+        if selective or fp8:
+            # a tensor of its own: the recomputed output, or TE's FP8 copy. (sdpa's per-sequence fallback,
+            # which runs where flex cannot, also keeps its concatenated output: one q more, not counted.)
             act += q * lin
             fp8b += q * (1 - lin)
     # MLP: linear_fc1's output (gate and up) kept by the fused SwiGLU (bias_activation_fusion; the unfused

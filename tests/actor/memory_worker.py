@@ -29,6 +29,12 @@ def saved_bytes_per_token(cases, row_tokens: int = 512, num_seqs: int = 4) -> li
         model = build_gpt_model(cfg, transformer_config_from_hf(cfg, params_dtype=dtype, **extra),
                                 attention_backend=backend)
         model.train()
+        if backend == "sdpa":  # the kernel a GPU runs (the CPU's default is the per-sequence fallback)
+            from m2po_megatron.models.attention import PackedSDPAttention
+
+            for m in model.modules():
+                if isinstance(m, PackedSDPAttention):
+                    m.kernel = "flex"
         g = torch.Generator().manual_seed(0)
         n = row_tokens // num_seqs
         batch = TrainBatch([torch.randint(0, SHAPE["vocab_size"], (n,), generator=g) for _ in range(num_seqs)],

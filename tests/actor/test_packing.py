@@ -100,11 +100,14 @@ def test_model_inputs_go_to_the_given_device(backend):
     if backend == "local":
         assert psp is None and inp["attention_mask"].device.type == "meta"
         assert inp["attention_mask"].shape == (1, 1, 10, 10)
-    else:
-        assert inp["attention_mask"] is None and psp.qkv_format == "thd"
-        assert psp.cu_seqlens_q.device.type == ("meta" if backend == "te" else "cpu")
-        assert psp.max_seqlen_q == 5
-        if backend == "sdpa":
-            assert psp.cu_seqlens_q.tolist() == [0, 5, 8, 10]  # trailing padding is its own segment
+    else:  # a models.attention.PackedRow: megatron sees one [s, 1] sequence; bounds stay on the host
+        assert inp["attention_mask"] is None and psp.qkv_format == "sbhd"
+        assert psp.bounds == (0, 5, 8, 10)  # trailing padding is its own segment
+        assert psp.document_ids.device.type == "meta" and psp.max_seqlen_q == 5
+        if backend == "te":  # Transformer Engine's kernels read cu_seqlens on the device
+            assert psp.thd.qkv_format == "thd" and psp.thd.cu_seqlens_q.device.type == "meta"
+            assert psp.thd.max_seqlen_q == 5
+        else:
+            assert psp.thd is None
     with pytest.raises(ValueError, match="attention_backend"):
         model_inputs(mb, "cpu", "flash")
