@@ -1,0 +1,102 @@
+"""One gpu_check part in its own process group, with a time limit that kills the whole group.
+
+The part runs in a fresh `python runner.py IN OUT` started with start_new_session=True (its own session and
+process group), as rank 0 of a one-process torch.distributed group (torchrun-style env, a rendezvous store
+served in the same process). When its budget passes, the group gets SIGTERM, then SIGKILL 5 s later; after a
+normal end the group gets SIGKILL too, so nothing the part spawned (pytest's ranks, a compile worker, a
+child that ignores SIGTERM) keeps the GPU busy. The function and its arguments travel pickled (by reference:
+the child gets the parent's sys.path); so does the result.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+GRACE_S = 5.0
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def kill_group(pgid: int, grace_s: float = GRACE_S) -> None:
+    """SIGTERM to the process group, then SIGKILL to whatever is left of it after grace_s."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        end = time.monotonic() + wait
+        while time.monotonic() < end:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.1)
+
+
+def run_part(name: str, fn, args: tuple, budget_s: float, tail_lines: int = 40) -> dict:
+    """fn(*args) (returning a dict) in its own process group within budget_s seconds. Returns its dict, or
+    {"error": ...} when it raised, died or ran past the budget; "wall_s" added either way."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"gpu_check-{name}-") as tmp:
+        inp, outp, logp = Path(tmp) / "in.pkl", Path(tmp) / "out.pkl", Path(tmp) / "log.txt"
+        inp.write_bytes(pickle.dumps((fn, args)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
+        with open(logp, "wb") as logf:
+            proc = subprocess.Popen([sys.executable, __file__, str(inp), str(outp)], stdout=logf,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
+            timed_out = False
+            try:
+                proc.wait(timeout=budget_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                kill_group(proc.pid, GRACE_S if timed_out else 0.0)  # also after a normal end: stragglers
+                proc.wait()
+        tail = "\n".join(logp.read_text(errors="replace").splitlines()[-tail_lines:])
+        if timed_out:
+            out = {"error": f"part {name!r} ran past its budget of {budget_s:.0f} s; its process group was "
+                            f"killed", "log_tail": tail[-3000:]}
+        elif not outp.exists():
+            out = {"error": f"part {name!r} exited with code {proc.returncode} without a result",
+                   "log_tail": tail[-3000:]}
+        else:
+            ok, payload = pickle.loads(outp.read_bytes())
+            out = payload if ok else {"error": payload[-4000:], "log_tail": tail[-2000:]}
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    log(f"{name}: {'ERROR ' + out['error'][-300:] if 'error' in out else 'ok'} ({out['wall_s']} s)")
+    return out
+
+
+def _child(inp: str, outp: str) -> None:
+    """Rank 0 of a one-process group: the torchrun variables the actor reads, a store served here."""
+    ok, payload = False, ""
+    try:
+        from m2po_megatron.infra.net import rendezvous_env, serve_rendezvous
+
+        store = serve_rendezvous("127.0.0.1")  # noqa: F841 - kept alive for the group's lifetime
+        os.environ.update(rendezvous_env("127.0.0.1", store), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                          LOCAL_WORLD_SIZE="1")
+        fn, args = pickle.loads(Path(inp).read_bytes())
+        payload, ok = fn(*args), True
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        payload = traceback.format_exc()
+    Path(outp).write_bytes(pickle.dumps((ok, payload)))
+    sys.stdout.flush()
+    os._exit(0)  # no atexit / thread joins: the parent reads the result and ends the group
+
+
+if __name__ == "__main__":
+    for p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        if p and p not in sys.path:
+            sys.path.append(p)
+    _child(sys.argv[1], sys.argv[2])
