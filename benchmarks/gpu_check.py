@@ -85,7 +85,7 @@ def plan(smoke: bool, te: bool) -> list[Part]:
     r4 = dict(model_name=Q4, smoke=False, rows=2, row_tokens=ROW, reps=2, recompute="full")
     l17 = dict(model_name=Q17, smoke=False, rows=0, row_tokens=4096, reps=2, legacy_seqs=40)
     parts = [
-        Part("gpu_tests", 150 if te else 120, "resume, gradient + log-prob parity, peak at the recipe rows"),
+        Part("gpu_tests", 150 if te else 130, "resume, gradient + log-prob parity, peak at the recipe rows"),
         Part("qwen3_1p7b", 60, "actor, 3 rows of 16,384, log-prob parity, syncs", _actor(60, parity=True, **r17)),
         Part("hf_1p7b", 45, "HF peer, the same tokens padded", _hf(45, **r17)),
         Part("qwen3_4b", 65, "actor, 2 rows of 16,384, full recompute (no fit without)", _actor(65, **r4)),
@@ -113,7 +113,8 @@ def check_fit(parts: list[Part], total_s: float) -> list[str]:
                     f"or run fewer parts (--parts)")
     if total_s > MAX_TOTAL_S:
         errs.append(f"a total of {total_s:.0f} s + the {HARD_STOP_MARGIN_S:.0f} s hard stop does not fit one "
-                    f"{COMMAND_LIMIT_S:.0f}-s device command with a minute to spare: use --budget-s <= {MAX_TOTAL_S:.0f}")
+                    f"{COMMAND_LIMIT_S:.0f}-s device command with a minute to spare: "
+                    f"use --budget-s <= {MAX_TOTAL_S:.0f}")
     return errs
 
 
@@ -148,7 +149,8 @@ def summarize(parts: dict) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="print the plan and check that the budgets fit; run nothing")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the plan and check that the budgets fit; run nothing")
     ap.add_argument("--smoke", action="store_true", help="CPU, toy sizes: run every part's code")
     ap.add_argument("--budget-s", type=float, default=None, help=f"wall-clock budget of the whole check "
                     f"(default {DEFAULT_TOTAL_S:.0f}; 700 with --smoke)")

@@ -28,7 +28,8 @@ def actor_part(model_name: str, smoke: bool, rows: int, row_tokens: int, reps: i
     if legacy_seqs:
         batch = R.legacy_batch(legacy_seqs, cfg["vocab_size"], row_tokens)
     else:
-        batch = R.rollout_batch(rows, row_tokens, cfg["vocab_size"], seed=0, scale=row_tokens / R.RECIPE_ROW, ragged_multiple=16 if ragged else None)
+        batch = R.rollout_batch(rows, row_tokens, cfg["vocab_size"], seed=0, scale=row_tokens / R.RECIPE_ROW,
+                                ragged_multiple=16 if ragged else None)
     plan = plan_microbatches(batch, list(range(len(batch))), row_tokens)
     out: dict = {"model": "tiny" if smoke else model_name, "tokens": sum(batch.lengths), "seqs": len(batch),
                  "micro_batch_tokens": row_tokens, "microbatches": len(plan),

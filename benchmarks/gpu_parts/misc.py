@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,7 @@ def env_part() -> dict:
 
 def mask_part(sizes: list[int], reps: int) -> dict:
     """The M2PO mask (algo.m2po_keep_mask) against one torch.sort of the same tensor, on the GPU (CPU in a
-    dry run): median time and peak extra memory per size."""
+    smoke run): median time and peak extra memory per size."""
     import statistics
 
     import torch
@@ -68,7 +69,8 @@ def mask_part(sizes: list[int], reps: int) -> dict:
                "sort_ms": round(1e3 * timed(lambda: torch.sort(lr)), 3)}
         row["mask_over_sort"] = round(row["mask_ms"] / row["sort_ms"], 2)
         if dev == "cuda":
-            for what, fn in (("mask", lambda: m2po_keep_mask(lr, adv, mask, tau=TAU)), ("sort", lambda: torch.sort(lr))):
+            for what, fn in (("mask", lambda: m2po_keep_mask(lr, adv, mask, tau=TAU)),
+                             ("sort", lambda: torch.sort(lr))):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
@@ -80,6 +82,13 @@ def mask_part(sizes: list[int], reps: int) -> dict:
     return {"device": dev, "rows": rows}
 
 
+def verbose_results(text: str) -> dict:
+    """{classname::name: passed|failed|skipped} from the lines of `pytest -v` (JUnit's names)."""
+    got = re.finditer(r"^(\S+)\.py::(\S+) (PASSED|FAILED|ERROR|SKIPPED)", text, re.M)
+    return {f"{m.group(1).replace('/', '.')}::{m.group(2)}": "failed" if m.group(3) == "ERROR" else m.group(3).lower()
+            for m in got}
+
+
 def gpu_tests_part(budget_s: float, collect_only: bool) -> dict:
     """pytest -m gpu on GPU_TEST_FILES in its own process group (killed whole at the budget, ranks included;
     --collect-only in the smoke mode); the result of every test from JUnit XML."""
@@ -87,9 +96,11 @@ def gpu_tests_part(budget_s: float, collect_only: bool) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         xml, logp = Path(tmp) / "gpu.xml", Path(tmp) / "log.txt"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={xml}",
+        cmd = [sys.executable, "-m", "pytest", "-q" if collect_only else "-v", "-m", "gpu", "-p", "no:cacheprovider",
+               f"--junitxml={xml}",
                *(["--collect-only"] if collect_only else []), *GPU_TEST_FILES]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        env = dict(os.environ,
+                   PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
         t0 = time.perf_counter()
         with open(logp, "wb") as logf:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT,
@@ -110,7 +121,9 @@ def gpu_tests_part(budget_s: float, collect_only: bool) -> dict:
         if collect_only:
             out["collected"] = sum(1 for line in text.splitlines() if "::" in line)
             return out
-        if xml.exists():
+        if not xml.exists():  # killed: the tests that finished are in pytest -v's log
+            out["tests"] = verbose_results(text)
+        else:
             suite = ET.parse(xml).getroot()
             suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
             out["tests"] = {}
@@ -118,6 +131,6 @@ def gpu_tests_part(budget_s: float, collect_only: bool) -> dict:
                 status = ("failed" if c.find("failure") is not None or c.find("error") is not None
                           else "skipped" if c.find("skipped") is not None else "passed")
                 out["tests"][f"{c.get('classname')}::{c.get('name')}"] = status
-            for k in ("passed", "failed", "skipped"):
-                out[k] = sum(1 for v in out["tests"].values() if v == k)
+        for k in ("passed", "failed", "skipped"):
+            out[k] = sum(1 for v in out.get("tests", {}).values() if v == k)
         return out

@@ -50,6 +50,8 @@ def run_part(name: str, fn, args: tuple, budget_s: float, tail_lines: int = 40) 
         inp, outp, logp = Path(tmp) / "in.pkl", Path(tmp) / "out.pkl", Path(tmp) / "log.txt"
         inp.write_bytes(pickle.dumps((fn, args)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
+        env.setdefault("OMP_NUM_THREADS", "1")  # as launch.run_multiprocess: the GPU computes; no oversubscription
+        env.setdefault("MKL_NUM_THREADS", "1")
         with open(logp, "wb") as logf:
             proc = subprocess.Popen([sys.executable, __file__, str(inp), str(outp)], stdout=logf,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -86,6 +88,9 @@ def _child(inp: str, outp: str) -> None:
         store = serve_rendezvous("127.0.0.1")  # noqa: F841 - kept alive for the group's lifetime
         os.environ.update(rendezvous_env("127.0.0.1", store), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                           LOCAL_WORLD_SIZE="1")
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("M2PO_THREADS_PER_RANK", "1")))
         fn, args = pickle.loads(Path(inp).read_bytes())
         payload, ok = fn(*args), True
     except BaseException:  # noqa: BLE001 - the parent reports it

@@ -41,19 +41,6 @@ def _parity_worker(backend, toy=False):
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bf16_log_probs_no_worse_than_hf_bf16(backend):
-    """Against HF in fp32 on the same weights, the actor in bf16 errs at most 1.5x (mean) and 2x (max) as
-    much as HF itself does in bf16."""
-    r = run_multiprocess(_parity_worker, 1, args=(backend,), timeout=280)[0]
-    print(backend, r)
-    assert r["hf_mean"] > 0
-    assert r["actor_mean"] <= 1.5 * r["hf_mean"], r
-    assert r["actor_max"] <= 2.0 * r["hf_max"], r
-
-
-@pytest.mark.gpu
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_gradients_no_worse_than_hf_bf16(backend):
     """||g_actor(bf16) - g_HF(fp32)|| <= 1.5 x ||g_HF(bf16) - g_HF(fp32)|| + 1e-6 ||g_HF(fp32)||, the norms
     over all parameters together (4-layer Qwen3-1.7B, tied embeddings, grpo_notr loss, one step)."""
@@ -92,6 +79,19 @@ def test_peak_memory_within_the_estimate_at_the_recipe_rows(backend, fp8):
         assert all(n % 16 for n in r["row_lengths"]), r  # ragged: the actor must pad for TE's FP8 GEMMs
     assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, r
     assert abs(r["peak"] / r["estimate"] - 1) <= MARGIN, r
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_log_probs_no_worse_than_hf_bf16(backend):
+    """Against HF in fp32 on the same weights, the actor in bf16 errs at most 1.5x (mean) and 2x (max) as
+    much as HF itself does in bf16."""
+    r = run_multiprocess(_parity_worker, 1, args=(backend,), timeout=280)[0]
+    print(backend, r)
+    assert r["hf_mean"] > 0
+    assert r["actor_mean"] <= 1.5 * r["hf_mean"], r
+    assert r["actor_max"] <= 2.0 * r["hf_max"], r
 
 
 # ------------------------------------------------------------------------------------------------ CPU
