@@ -161,6 +161,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     total = a.budget_s if a.budget_s is not None else (700.0 if a.smoke else DEFAULT_TOTAL_S)
     only = {p for p in a.parts.split(",") if p}
+    known = {p.name for sm in (False, True) for te in (False, True) for p in plan(sm, te)}
+    if only - known:
+        print(f"--parts: unknown part(s) {sorted(only - known)}; the parts are {sorted(known)}", file=sys.stderr)
+        return 2
     if a.dry_run:
         bad = False
         for te in (False, True):

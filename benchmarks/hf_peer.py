@@ -107,6 +107,7 @@ class HFPeer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         with torch.no_grad():
-            torch._foreach_copy_(self.params, self.master)  # master -> compute dtype
+            for p, m in zip(self.params, self.master):  # master -> compute dtype (a cast for bf16 models)
+                p.copy_(m)
         return {"loss": total, "grad_norm": float(grad_norm), "entropy": ent_sum / self.num_tokens,
                 "num_microbatches": len(self.groups)}
