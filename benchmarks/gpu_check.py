@@ -103,6 +103,20 @@ def plan(smoke: bool, te: bool) -> list[Part]:
     return parts
 
 
+def with_budgets(parts: list[Part], overrides: dict[str, float]) -> list[Part]:
+    """The parts with `overrides` ({name: seconds}) as their budgets (a rerun of one slow part, say)."""
+    out = []
+    for p in parts:
+        if p.name in overrides:
+            b = overrides[p.name]
+            fn = p.fn
+            if isinstance(fn, functools.partial) and "budget_s" in fn.keywords:
+                fn = functools.partial(fn.func, *fn.args, **{**fn.keywords, "budget_s": b})
+            p = Part(p.name, b, p.what, fn)
+        out.append(p)
+    return out
+
+
 def check_fit(parts: list[Part], total_s: float) -> list[str]:
     """Why these budgets do not fit `total_s` (empty when they do)."""
     errs = []
@@ -155,6 +169,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=None, help=f"wall-clock budget of the whole check "
                     f"(default {DEFAULT_TOTAL_S:.0f}; 700 with --smoke)")
     ap.add_argument("--parts", default="", help="comma-separated subset of part names (default: all)")
+    ap.add_argument("--part-budget", action="append", default=[], metavar="NAME=S",
+                    help="another budget for one part (repeatable), e.g. qwen3_4b=120 in a rerun")
     ap.add_argument("--te", choices=("auto", "yes", "no"), default="auto",
                     help="plan with the TE parts (default: when TE is importable and CUDA is present)")
     ap.add_argument("--out", help="also write the JSON summary to this file")
@@ -162,13 +178,20 @@ def main(argv=None) -> int:
     total = a.budget_s if a.budget_s is not None else (700.0 if a.smoke else DEFAULT_TOTAL_S)
     only = {p for p in a.parts.split(",") if p}
     known = {p.name for sm in (False, True) for te in (False, True) for p in plan(sm, te)}
-    if only - known:
-        print(f"--parts: unknown part(s) {sorted(only - known)}; the parts are {sorted(known)}", file=sys.stderr)
+    try:
+        overrides = {k: float(v) for k, _, v in (x.partition("=") for x in a.part_budget)}
+    except ValueError:
+        print(f"--part-budget {a.part_budget}: use NAME=SECONDS, e.g. qwen3_4b=120", file=sys.stderr)
         return 2
+    if (only | overrides.keys()) - known:
+        print(f"--parts / --part-budget: unknown part(s) {sorted((only | overrides.keys()) - known)}; the parts are "
+              f"{sorted(known)}", file=sys.stderr)
+        return 2
+    select = lambda sm, te: with_budgets([p for p in plan(sm, te) if not only or p.name in only], overrides)  # noqa: E731
     if a.dry_run:
         bad = False
         for te in (False, True):
-            parts = [p for p in plan(a.smoke, te) if not only or p.name in only]
+            parts = select(a.smoke, te)
             errs = [] if a.smoke else check_fit(parts, total)
             print(format_plan(parts, total, te) + "".join(f"\n  DOES NOT FIT: {e}" for e in errs))
             bad |= bool(errs)
@@ -184,7 +207,7 @@ def main(argv=None) -> int:
         log(f"wheels: {e}")
     env = summary["parts"]["env"] = env_part()
     te = {"yes": True, "no": False}.get(a.te, bool(env["transformer_engine"] and env["cuda"]))
-    parts = [p for p in plan(a.smoke, te) if not only or p.name in only]
+    parts = select(a.smoke, te)
     errs = [] if a.smoke else check_fit(parts, total)
     if errs:
         print(format_plan(parts, total, te) + "".join(f"\nDOES NOT FIT: {e}" for e in errs), file=sys.stderr)

@@ -18,5 +18,12 @@ if [ "${1:-}" = "--download-wheels" ]; then
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "megatron-core==$ver"
 fi
 export PYTHONUNBUFFERED=1
-# a later --budget-s on the command line overrides this one (argparse keeps the last)
-exec timeout -k 10 480 "$PY" benchmarks/gpu_check.py --budget-s 450 "$@"
+# the hard stop follows the script's budget (450 s, or the last --budget-s given): budget + 30 s
+budget=450 margin=30 prev=
+for a in "$@"; do
+  if [ "$prev" = "--budget-s" ]; then budget=$a; fi
+  case "$a" in --budget-s=*) budget=${a#--budget-s=} ;; esac
+  prev=$a
+done
+stop=$(awk -v b="$budget" -v m="$margin" 'BEGIN { printf "%d", b + m + 0.5 }')
+exec timeout -k 10 "$stop" "$PY" benchmarks/gpu_check.py --budget-s 450 "$@"
