@@ -88,9 +88,9 @@ def count_syncs(fn) -> dict:
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
-            torch.cuda.synchronize()  # the counter's own sync is outside the mode below
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    sync()  # after the mode is off: torch.cuda.synchronize() itself counts as a sync in "warn" mode
     hits = [w for w in caught if SYNC_WARNING in str(w.message)]
-    where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in hits)
+    where = collections.Counter(f"{'/'.join(Path(w.filename).parts[-2:])}:{w.lineno}" for w in hits)
     return {"count": len(hits), "by_line": dict(where.most_common(15))}
