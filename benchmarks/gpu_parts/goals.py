@@ -70,6 +70,7 @@ def judge(parts: dict) -> dict:
     judged = [g["pass"] for g in goals.values()]
     comparison = {"qwen3_1p7b_4096_rows_actor_over_hf": r.get("qwen3_1p7b_4k"),  # turn 2's figures beside it
                   "turn2": {"qwen3_1p7b_4096_rows": 0.42, "qwen3_4b_2048_rows": 0.54, "peak_over_estimate": 1.95}}
-    return {"goals": goals, "comparison": comparison, "all_pass": all(judged) if judged and None not in judged else None,
+    return {"goals": goals, "comparison": comparison,
+            "all_pass": all(judged) if judged and None not in judged else None,
             "unmeasured": [k for k, g in goals.items() if g["pass"] is None],
             "failed": [k for k, g in goals.items() if g["pass"] is False]}
