@@ -41,7 +41,7 @@ from gpu_parts import goals as G  # noqa: E402
 from gpu_parts.actor_part import actor_part  # noqa: E402
 from gpu_parts.hf_part import hf_part  # noqa: E402
 from gpu_parts.misc import GPU_TEST_FILES, env_part, gpu_tests_part, mask_part  # noqa: E402,F401
-from gpu_parts.runner import log, run_part  # noqa: E402,F401
+from gpu_parts.runner import log, run_part, stop_parts_on_signals  # noqa: E402,F401
 from gpu_parts.wheels import WHEEL_DIR, ensure_wheels, locked_version  # noqa: E402,F401
 
 DEFAULT_TOTAL_S = 450.0
@@ -199,6 +199,7 @@ def main(argv=None) -> int:
             print(format_plan(parts, total, te) + "".join(f"\n  DOES NOT FIT: {e}" for e in errs))
             bad |= bool(errs)
         return 2 if bad else 0
+    stop_parts_on_signals()
     t_start = time.monotonic()
     deadline = t_start + total
     summary: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "mode": "smoke" if a.smoke else "gpu",

@@ -161,6 +161,28 @@ def test_a_part_past_its_budget_is_killed_with_the_children_it_spawned(tmp_path)
     assert not _alive(pid), f"process {pid}, spawned by the part, survived it"
 
 
+@pytest.mark.timeout(300)
+def test_stopping_gpu_check_kills_the_running_part_and_its_children(tmp_path):
+    """tools/gpu_check.sh's hard stop (SIGTERM to gpu_check) must not leave a part running in its own session."""
+    pid_file = tmp_path / "child.pid"
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import gpu_check, test_gpu_check as t; "
+            "gpu_check.stop_parts_on_signals(); gpu_check.run_part('stubborn', t._stubborn_part, (sys.argv[3],), 250)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    main = subprocess.Popen([sys.executable, "-c", code, str(REPO / "benchmarks"), str(Path(__file__).parent),
+                             str(pid_file)], env=env)
+    deadline = time.monotonic() + 200
+    while not pid_file.exists() and time.monotonic() < deadline and main.poll() is None:
+        time.sleep(0.1)
+    assert pid_file.exists(), "the part's child never started"
+    main.terminate()
+    assert main.wait(timeout=60) != 0
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), f"process {pid} of the part survived gpu_check's stop"
+
+
 # --------------------------------------------------------------------------------------------- the plan
 def test_dry_run_prints_the_plan_and_fails_when_the_budgets_do_not_fit():
     def run(*a):

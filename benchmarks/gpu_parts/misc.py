@@ -92,7 +92,7 @@ def verbose_results(text: str) -> dict:
 def gpu_tests_part(budget_s: float, collect_only: bool) -> dict:
     """pytest -m gpu on GPU_TEST_FILES in its own process group (killed whole at the budget, ranks included;
     --collect-only in the smoke mode); the result of every test from JUnit XML."""
-    from gpu_parts.runner import kill_group
+    from gpu_parts.runner import start_group, wait_group
 
     with tempfile.TemporaryDirectory() as tmp:
         xml, logp = Path(tmp) / "gpu.xml", Path(tmp) / "log.txt"
@@ -103,16 +103,8 @@ def gpu_tests_part(budget_s: float, collect_only: bool) -> dict:
                    PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
         t0 = time.perf_counter()
         with open(logp, "wb") as logf:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-            try:
-                proc.wait(timeout=budget_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                kill_group(proc.pid, 5.0 if timed_out else 0.0)
-                proc.wait()
+            proc = start_group(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT)
+            timed_out = wait_group(proc, budget_s)
         text = logp.read_text(errors="replace")
         out = {"returncode": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1),
                "output_tail": text[-3000:]}

@@ -20,6 +20,7 @@ import traceback
 from pathlib import Path
 
 GRACE_S = 5.0
+ACTIVE: set[int] = set()  # process groups of the parts running now (killed if this process is stopped)
 
 
 def log(msg: str) -> None:
@@ -42,6 +43,40 @@ def kill_group(pgid: int, grace_s: float = GRACE_S) -> None:
             time.sleep(0.1)
 
 
+def stop_parts_on_signals() -> None:
+    """On SIGTERM / SIGINT / SIGHUP (tools/gpu_check.sh's hard stop, a device command's end), kill the running
+    parts' groups, then exit: each part has its own session, so no signal to this process reaches it, and a
+    machine keeps processes of another session running after the command that started them."""
+    def handler(signum, frame):
+        for pgid in list(ACTIVE):
+            kill_group(pgid, 0.0)
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+def start_group(cmd: list, **kw) -> subprocess.Popen:
+    """cmd in a new session (its own process group), registered in ACTIVE until end_group."""
+    proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL, **kw)
+    ACTIVE.add(proc.pid)
+    return proc
+
+
+def wait_group(proc: subprocess.Popen, budget_s: float) -> bool:
+    """Wait up to budget_s; then kill the whole group either way (stragglers too). True when it timed out."""
+    timed_out = False
+    try:
+        proc.wait(timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        kill_group(proc.pid, GRACE_S if timed_out else 0.0)
+        proc.wait()
+        ACTIVE.discard(proc.pid)
+    return timed_out
+
+
 def run_part(name: str, fn, args: tuple, budget_s: float, tail_lines: int = 40) -> dict:
     """fn(*args) (returning a dict) in its own process group within budget_s seconds. Returns its dict, or
     {"error": ...} when it raised, died or ran past the budget; "wall_s" added either way."""
@@ -53,17 +88,9 @@ def run_part(name: str, fn, args: tuple, budget_s: float, tail_lines: int = 40) 
         env.setdefault("OMP_NUM_THREADS", "1")  # as launch.run_multiprocess: the GPU computes; no oversubscription
         env.setdefault("MKL_NUM_THREADS", "1")
         with open(logp, "wb") as logf:
-            proc = subprocess.Popen([sys.executable, __file__, str(inp), str(outp)], stdout=logf,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True)
-            timed_out = False
-            try:
-                proc.wait(timeout=budget_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                kill_group(proc.pid, GRACE_S if timed_out else 0.0)  # also after a normal end: stragglers
-                proc.wait()
+            proc = start_group([sys.executable, __file__, str(inp), str(outp)], stdout=logf,
+                               stderr=subprocess.STDOUT, env=env)
+            timed_out = wait_group(proc, budget_s)
         tail = "\n".join(logp.read_text(errors="replace").splitlines()[-tail_lines:])
         if timed_out:
             out = {"error": f"part {name!r} ran past its budget of {budget_s:.0f} s; its process group was "
