@@ -1,10 +1,14 @@
-"""benchmarks/gpu_check.py on CPU: the whole script in its --dry-run mode (toy sizes) where ray, omegaconf and
-math-verify cannot be imported, the offline wheel install, and the per-part guard."""
+"""benchmarks/gpu_check.py on CPU: the plan's budgets (--dry-run), the whole script in its --smoke mode (toy
+sizes) where ray, omegaconf and math-verify cannot be imported, the offline wheel install, the per-part guard
+(a part past its budget is killed with everything it spawned), the rollout-like rows and the goals."""
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -26,12 +30,11 @@ def _blocker(tmp_path) -> Path:
     return d
 
 
-@pytest.mark.timeout(420)
-def test_dry_run_without_ray_prints_one_json_summary(tmp_path):
+@pytest.mark.timeout(800)
+def test_smoke_run_without_ray_prints_one_json_summary(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_blocker(tmp_path)), str(REPO)]))
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--budget-s", "380",
-                           "--out", str(tmp_path / "s.json")], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=400)
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--smoke", "--out", str(tmp_path / "s.json")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=780)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stdout[-2000:]  # one JSON summary; the logs went to stderr
@@ -40,15 +43,26 @@ def test_dry_run_without_ray_prints_one_json_summary(tmp_path):
     parts = s["parts"]
     assert parts["env"]["megatron_core"] and parts["env"]["cuda"] is False
     gt = parts["gpu_tests"]
-    assert gt["returncode"] == 0 and gt["collected"] >= 4, gt  # the gpu tests import without ray
-    actor, hf = parts["qwen3_1p7b"], parts["hf_1p7b"]
-    assert "error" not in actor and "error" not in hf, (actor, hf)
-    assert actor["finite"] and actor["tokens_per_s"] > 0 and actor["attention_backend"] == "sdpa"
-    assert actor["parity"]["actor_max_abs"] <= 1e-4 < actor["parity"]["hf_bf16_max_abs"]
-    assert actor["estimate_gib"]["total"] > 0 and hf["tokens"] == actor["tokens"] and hf["tokens_per_s"] > 0
-    assert s["actor_over_hf_tokens_per_s"]["qwen3_1p7b"] == pytest.approx(
-        actor["tokens_per_s"] / hf["tokens_per_s"], rel=1e-2)
+    assert gt["returncode"] == 0 and gt["collected"] >= 8, gt  # the gpu tests import without ray
+    for a, h in (("qwen3_1p7b", "hf_1p7b"), ("qwen3_4b", "hf_4b")):
+        actor, hf = parts[a], parts[h]
+        assert "error" not in actor and "error" not in hf, (actor, hf)
+        assert actor["finite"] and actor["tokens_per_s"] > 0 and actor["attention_backend"] == "sdpa"
+        assert actor["microbatches"] == 2 and hf["tokens"] == actor["tokens"] and hf["tokens_per_s"] > 0
+        assert actor["estimate_gib"]["total"] > 0 and hf["padded_tokens"] >= hf["tokens"]
+        assert actor["syncs"]["count"] is None and "no CUDA" in actor["syncs"]["why"]  # counted on GPU only
+        assert s["actor_over_hf_tokens_per_s"][a] == pytest.approx(actor["tokens_per_s"] / hf["tokens_per_s"],
+                                                                   rel=1e-2)
+    assert parts["qwen3_4b"]["recompute"] == parts["hf_4b"]["recompute"] == "full"
+    par = parts["qwen3_1p7b"]["parity"]
+    assert par["actor_max_abs"] <= 1e-4 < par["hf_bf16_max_abs"]
     assert [r["n"] for r in parts["m2po_mask"]["rows"]] == [10**4, 10**5]
+    goals = s["goals"]["goals"]
+    assert goals["logprob_parity_vs_hf_bf16"]["pass"] is True  # fp32 on CPU: far inside the bound
+    for name in ("peak_vs_estimate_qwen3_1p7b", "resume", "gradient_parity_vs_hf_bf16",
+                 "host_syncs_independent_of_microbatches"):
+        assert goals[name]["pass"] is None, goals[name]  # unmeasured without a GPU
+    assert s["goals"]["all_pass"] is None and "resume" in s["goals"]["unmeasured"]
 
 
 def _probe_wheel(d: Path) -> Path:
@@ -99,12 +113,168 @@ def _numbers():
     return {"tokens_per_s": 5.0}
 
 
+def _stubborn_part(pid_file):
+    """A part that starts a child which ignores SIGTERM, waits until the child has written its pid, then hangs
+    (as a part whose torchrun rank or compile worker outlives it would)."""
+    code = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); os.replace(sys.argv[1] + '.tmp', sys.argv[1]); "
+            "time.sleep(3600)")
+    subprocess.Popen([sys.executable, "-c", code, pid_file])
+    while not os.path.exists(pid_file):
+        time.sleep(0.05)
+    threading.Event().wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for its reaper is dead too
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.timeout(300)
 def test_a_failing_or_overrunning_part_costs_only_its_own_numbers():
     assert "boom in a part" in gpu_check.run_part("boom", _boom, (), 120)["error"]
-    assert "timed out after 5 s" in gpu_check.run_part("hang", _hang, (), 5)["error"]
+    assert "ran past its budget of 5 s" in gpu_check.run_part("hang", _hang, (), 5)["error"]
     ok = gpu_check.run_part("ok", _numbers, (), 120)
     assert ok["tokens_per_s"] == 5.0 and ok["wall_s"] >= 0
     parts = {"qwen3_1p7b": {"tokens_per_s": 30.0}, "hf_1p7b": {"tokens_per_s": 20.0},
              "qwen3_4b": {"error": "x"}, "hf_4b": {"tokens_per_s": 1.0}}
     assert gpu_check.summarize(parts) == {"qwen3_1p7b": 1.5}
+
+
+@pytest.mark.timeout(300)
+def test_a_part_past_its_budget_is_killed_with_the_children_it_spawned(tmp_path):
+    """The part's child ignores SIGTERM; the part's whole process group is killed, so nothing is left."""
+    pid_file = tmp_path / "child.pid"
+    r = gpu_check.run_part("stubborn", _stubborn_part, (str(pid_file),), 60)
+    assert "ran past its budget" in r["error"], r
+    assert pid_file.exists(), "the part was killed before its child started: the test proved nothing"
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 30  # generous: SIGKILL is immediate, reaping by init may lag a little
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), f"process {pid}, spawned by the part, survived it"
+
+
+@pytest.mark.timeout(300)
+def test_stopping_gpu_check_kills_the_running_part_and_its_children(tmp_path):
+    """tools/gpu_check.sh's hard stop (SIGTERM to gpu_check) must not leave a part running in its own session."""
+    pid_file = tmp_path / "child.pid"
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import gpu_check, test_gpu_check as t; "
+            "gpu_check.stop_parts_on_signals(); gpu_check.run_part('stubborn', t._stubborn_part, (sys.argv[3],), 250)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    main = subprocess.Popen([sys.executable, "-c", code, str(REPO / "benchmarks"), str(Path(__file__).parent),
+                             str(pid_file)], env=env)
+    deadline = time.monotonic() + 200
+    while not pid_file.exists() and time.monotonic() < deadline and main.poll() is None:
+        time.sleep(0.1)
+    assert pid_file.exists(), "the part's child never started"
+    main.terminate()
+    assert main.wait(timeout=60) != 0
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), f"process {pid} of the part survived gpu_check's stop"
+
+
+# --------------------------------------------------------------------------------------------- the plan
+def test_dry_run_prints_the_plan_and_fails_when_the_budgets_do_not_fit():
+    def run(*a):
+        return subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", *a], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+
+    ok = run()
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "qwen3_4b" in ok.stdout and "te_fp8" in ok.stdout and "DOES NOT FIT" not in ok.stdout
+    short = run("--budget-s", "300")
+    assert short.returncode == 2 and "exceed the total of 300 s" in short.stdout, short.stdout
+    assert run("--budget-s", "300", "--parts", "qwen3_1p7b,hf_1p7b").returncode == 0
+    rerun = run("--budget-s", "240", "--parts", "qwen3_4b,hf_4b", "--part-budget", "qwen3_4b=150")
+    assert rerun.returncode == 0 and re.search(r"qwen3_4b +150 s", rerun.stdout), rerun.stdout
+    assert run("--budget-s", "240", "--parts", "qwen3_4b,hf_4b", "--part-budget", "qwen3_4b=190").returncode == 2
+    assert run("--part-budget", "nosuch=3").returncode == 2
+    long = run("--budget-s", "590")
+    assert long.returncode == 2 and "does not fit one 600-s device command" in long.stdout, long.stdout
+
+
+def test_every_gpu_plan_fits_the_default_total_and_one_device_command():
+    for te in (False, True):
+        parts = gpu_check.plan(False, te)
+        assert gpu_check.check_fit(parts, gpu_check.DEFAULT_TOTAL_S) == [], te
+        assert {"gpu_tests", "qwen3_1p7b", "hf_1p7b", "qwen3_4b", "hf_4b", "m2po_mask"} <= {p.name for p in parts}
+    assert gpu_check.DEFAULT_TOTAL_S + gpu_check.HARD_STOP_MARGIN_S < gpu_check.COMMAND_LIMIT_S
+    sh = (REPO / "tools" / "gpu_check.sh").read_text()
+    assert f"budget={gpu_check.DEFAULT_TOTAL_S:.0f}" in sh and f"margin={gpu_check.HARD_STOP_MARGIN_S:.0f}" in sh
+
+
+# ---------------------------------------------------------------------------------------------- the rows
+def test_recipe_rows_are_full_rows_of_rollout_like_sequences():
+    from gpu_parts import rows as R
+    from m2po_megatron.actor.packing import plan_microbatches
+
+    lens = R.fill_rows(3, 16384, seed=0)
+    assert lens == R.fill_rows(3, 16384, seed=0) != R.fill_rows(3, 16384, seed=1)  # seeded
+    per_row = R.row_lengths(lens, 16384)
+    assert len(per_row) == 3 and all(0.9 * 16384 <= n <= 16384 for n in per_row), per_row
+    assert all(200 <= r <= 4000 and 32 <= p <= 400 for p, r in lens)
+    batch = R.make_batch(lens, vocab=1000)
+    mbs = plan_microbatches(batch, list(range(len(batch))), 16384)  # the actor's packer: the same rows
+    assert sorted(m.seq_len for m in mbs) == sorted(per_row)
+    assert [b.numel() for b in batch.behav_log_probs] == batch.response_lens
+    many = R.draw_lengths(4000, seed=2)
+    assert statistics.mean(p for p, _ in many) == pytest.approx(150, abs=5)
+    resp = sorted(r for _, r in many)
+    assert resp[0] >= 200 and resp[-1] <= 4000 and 700 < statistics.median(resp) < 1100  # log-uniform: ~894
+    ragged = R.fill_rows(2, 16384, seed=0, ragged_multiple=16)
+    assert all(n % 16 for n in R.row_lengths(ragged, 16384))
+    toy = R.fill_rows(2, 1024, seed=0, scale=1024 / R.RECIPE_ROW)
+    assert len(R.row_lengths(toy, 1024)) == 2 and len(toy) > 6  # the smoke mode's rows hold several sequences
+
+
+def test_goals_pass_fail_and_unmeasured():
+    from gpu_parts import goals as G
+
+    T = "tests.actor.test_actor_gpu"
+    parts = {"qwen3_1p7b": {"tokens_per_s": 30.0, "peak_over_estimate": 1.1,
+                            "parity": {"actor_mean_abs": 0.02, "hf_bf16_mean_abs": 0.02},
+                            "syncs": {"count": 40, "microbatches": 3}, "syncs_one_microbatch": {"count": 12}},
+             "hf_1p7b": {"tokens_per_s": 20.0}, "qwen3_4b": {"tokens_per_s": 10.0, "peak_over_estimate": 1.3},
+             "hf_4b": {"tokens_per_s": 10.0},
+             "gpu_tests": {"tests": {f"{T}::test_resume_next_step_equals_an_uninterrupted_run[sdpa]": "passed",
+                                     f"{T}::test_resume_next_step_equals_an_uninterrupted_run[te]": "skipped",
+                                     f"{T}::test_gradients_no_worse_than_hf_bf16[sdpa]": "failed"}}}
+    j = G.judge(parts)
+    g = j["goals"]
+    assert g["tokens_per_s_vs_hf_qwen3_1p7b"]["pass"] is True and g["tokens_per_s_vs_hf_qwen3_4b"]["pass"] is False
+    assert g["peak_vs_estimate_qwen3_1p7b"]["pass"] is True and g["peak_vs_estimate_qwen3_4b"]["pass"] is False
+    assert g["resume"]["pass"] is True and g["gradient_parity_vs_hf_bf16"]["pass"] is False
+    assert g["logprob_parity_vs_hf_bf16"]["pass"] is True
+    assert g["host_syncs_independent_of_microbatches"]["pass"] is False  # 40 syncs at 3 micro-batches, 12 at 1
+    assert g["peak_memory_test_recipe_rows"]["pass"] is None and j["all_pass"] is None
+    assert "tokens_per_s_vs_hf_qwen3_4b" in j["failed"] and "peak_memory_test_recipe_rows" in j["unmeasured"]
+
+
+def test_gpu_test_results_survive_a_killed_pytest():
+    """Without JUnit XML (pytest killed at the budget) the results come from pytest -v's lines, under the same
+    names, so the goals still see the tests that finished."""
+    from gpu_parts import goals as G
+    from gpu_parts.misc import verbose_results
+
+    log = ("tests/actor/test_actor_gpu.py::test_resume_next_step_equals_an_uninterrupted_run[sdpa] PASSED [ 10%]\n"
+           "tests/actor/test_actor_gpu.py::test_gradients_no_worse_than_hf_bf16[sdpa] ERROR [ 20%]\n"
+           "tests/actor/test_actor_gpu.py::test_peak_memory_within_the_estimate_at_the_recipe_rows[te-None] "
+           "SKIPPED (no TE) [ 30%]\n")
+    r = verbose_results(log)
+    assert r == {"tests.actor.test_actor_gpu::test_resume_next_step_equals_an_uninterrupted_run[sdpa]": "passed",
+                 "tests.actor.test_actor_gpu::test_gradients_no_worse_than_hf_bf16[sdpa]": "failed",
+                 "tests.actor.test_actor_gpu::test_peak_memory_within_the_estimate_at_the_recipe_rows[te-None]":
+                 "skipped"}
+    g = G.judge({"gpu_tests": {"tests": r}})["goals"]
+    assert g["resume"]["pass"] is True and g["gradient_parity_vs_hf_bf16"]["pass"] is False
+    assert g["peak_memory_test_recipe_rows"]["pass"] is None

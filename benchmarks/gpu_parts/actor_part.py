@@ -1,0 +1,105 @@
+"""The actor's part: MegatronActor.train_step tokens/s on the recipes' rows, peak memory against
+estimate_gpu_memory, host syncs per step at 1 and at N micro-batches, and (optionally) log-prob parity
+against HF fp32 next to HF bf16's own error."""
+from __future__ import annotations
+
+import math
+import time
+
+from gpu_parts.common import count_syncs, cuda, gib, hf_model, model_config, sync, time_steps
+
+
+def actor_part(model_name: str, smoke: bool, rows: int, row_tokens: int, reps: int, parity: bool = False,
+               recompute: str | None = None, attention_backend: str = "auto", fp8: str | None = None,
+               ragged: bool = False, legacy_seqs: int = 0, budget_s: float = 60.0) -> dict:
+    """`rows` packed rows of `row_tokens` drawn like the paper's rollouts (gpu_parts.rows; `ragged`: no row a
+    multiple of 16), or the earlier batch of `legacy_seqs` sequences (the 4,096-token comparison)."""
+    import torch
+
+    from gpu_parts import rows as R
+    from m2po_megatron.actor.actor import MegatronActor
+    from m2po_megatron.actor.packing import plan_microbatches
+    from m2po_megatron.models.memory import estimate_gpu_memory
+
+    deadline = time.monotonic() + budget_s - 5
+    on_gpu = cuda()
+    dev = torch.device("cuda" if on_gpu else "cpu")
+    cfg = model_config(model_name, smoke)
+    if legacy_seqs:
+        batch = R.legacy_batch(legacy_seqs, cfg["vocab_size"], row_tokens)
+    else:
+        batch = R.rollout_batch(rows, row_tokens, cfg["vocab_size"], seed=0, scale=row_tokens / R.RECIPE_ROW,
+                                ragged_multiple=16 if ragged else None)
+    plan = plan_microbatches(batch, list(range(len(batch))), row_tokens)
+    out: dict = {"model": "tiny" if smoke else model_name, "tokens": sum(batch.lengths), "seqs": len(batch),
+                 "micro_batch_tokens": row_tokens, "microbatches": len(plan),
+                 "row_lengths": [m.seq_len for m in plan], "recompute": recompute}
+    if ragged:
+        out["rows_multiple_of_16"] = sum(1 for m in plan if m.seq_len % 16 == 0)
+    precision = "bf16" if on_gpu else "fp32"
+    kw = dict(hf_config=cfg, params_dtype=precision, micro_batch_tokens=row_tokens, lr=1e-6, loss_name="m2po",
+              attention_backend=attention_backend, fp8=fp8, fp8_recipe="tensorwise" if fp8 else None, seed=0,
+              recompute_granularity=recompute)
+    if parity:
+        out["parity"], actor = _parity(cfg, kw, dev)
+    else:
+        actor = MegatronActor(**kw)
+    out["attention_backend"] = actor.attention_backend
+    dt, done, m = time_steps(lambda: actor.train_step(batch), reps, deadline)
+    out.update(step_s=round(dt, 3), timed_steps=done, tokens_per_s=round(out["tokens"] / dt, 1), loss=m["loss"],
+               grad_norm=m["grad_norm"], finite=bool(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])))
+    est = estimate_gpu_memory(cfg, micro_batch_tokens=max(out["row_lengths"]), params_dtype=precision,
+                              fp8=bool(fp8), attention_backend=actor.attention_backend, recompute=recompute)
+    out["estimate_gib"] = {k: round(v, 2) for k, v in est.items()}
+    if on_gpu:
+        peak = torch.cuda.max_memory_allocated()
+        tensors = (est["total"] - est["overhead"]) * 1024**3
+        out.update(peak_allocated_gib=gib(peak), peak_reserved_gib=gib(torch.cuda.max_memory_reserved()),
+                   estimate_tensors_gib=gib(tensors), peak_over_estimate=round(peak / tensors, 3))
+    # host syncs of one train_step with every micro-batch, and with the first row's sequences alone: a count
+    # that grows with the micro-batches is a sync inside the micro-batch loop
+    if time.monotonic() + 1.5 * dt < deadline:
+        out["syncs"] = {"microbatches": len(plan), **count_syncs(lambda: actor.train_step(batch))}
+        one = batch.select(plan[0].seq_index)
+        if time.monotonic() + dt < deadline and len(plan) > 1:
+            out["syncs_one_microbatch"] = count_syncs(lambda: actor.train_step(one))
+    else:
+        out["syncs"] = {"count": None, "why": "no time left in the part's budget"}
+    actor.close()
+    return out
+
+
+def _parity(cfg: dict, actor_kw: dict, dev):
+    """Mean and max |log p - log p_HF fp32| over the response tokens of 8 rollout-like sequences for the actor
+    (built from the HF weights; bf16 on a GPU) and for HF itself in bf16. Returns (numbers, actor)."""
+    import torch
+
+    from gpu_parts import rows as R
+    from m2po_megatron.actor.actor import MegatronActor
+
+    hf = hf_model(cfg, dev, torch.float32).eval()
+    n = min(1024, actor_kw["micro_batch_tokens"])
+    batch = R.make_batch(R.draw_lengths(8, seed=1, max_len=n, response_range=(min(200, n // 2), n)),
+                         cfg["vocab_size"], seed=1)
+
+    @torch.no_grad()
+    def hf_lp(model):
+        res = []
+        for ids, p in zip(batch.input_ids, batch.prompt_lens):
+            ids = ids.to(dev)
+            logp = torch.log_softmax(model(ids[None]).logits[0].float(), -1)
+            res.append(logp[p - 1:-1].gather(-1, ids[p:, None]).squeeze(-1).cpu())
+        return torch.cat(res)
+
+    ref = hf_lp(hf)
+    actor = MegatronActor(load_from=hf, **actor_kw)
+    lp, _ = actor.compute_log_probs(batch)
+    hf16 = hf_lp(hf.to(torch.bfloat16))
+    del hf
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    sync()
+    d_actor, d_hf = (torch.cat(lp) - ref).abs(), (hf16 - ref).abs()
+    return ({"tokens": int(ref.numel()), "actor_max_abs": float(d_actor.max()),
+             "actor_mean_abs": float(d_actor.mean()), "hf_bf16_max_abs": float(d_hf.max()),
+             "hf_bf16_mean_abs": float(d_hf.mean())}, actor)
