@@ -160,3 +160,45 @@ def saved_worker():
         per[dt] = per.get(dt, 0.0) + nbytes
     lp.sum().backward()  # the saved graph runs
     return {"bytes": per, "rows": pos.numel(), "lp_dtype": str(lp.dtype)}
+
+
+def sequence_parallel_worker():
+    """megatron's ColumnParallelLinear output layer with sequence_parallel=True (this rank holds S/tp rows of
+    the hidden states): today's path (the layer's all-gather and [S, V/tp] logits -> token_log_probs) and
+    output_layer_log_probs on the same layer and rows: log-probs and the gradients w.r.t. this rank's rows
+    and the layer's weight."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from m2po_megatron.actor.fused_logprobs import output_layer_log_probs
+    from m2po_megatron.actor.logprobs import token_log_probs
+    from m2po_megatron.actor.parallel import init_distributed
+
+    tp = _tp()
+    init_distributed(tensor_model_parallel_size=tp)
+    group, rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+    s, h, v = 24, 16, 40
+    cfg = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=True, params_dtype=torch.float32,
+                              use_cpu_initialization=True)
+    layer = ColumnParallelLinear(h, v, config=cfg, init_method=torch.nn.init.normal_, bias=False,
+                                 gather_output=False, tp_group=group)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(v, h, generator=g)[rank * v // tp:(rank + 1) * v // tp])
+    full = torch.randn(s, 1, h, generator=g)
+    pos = torch.tensor([1, 4, 5, 9, 12, 13, 17, 20, 23])
+    tgt = torch.randint(0, v, (pos.numel(),), generator=g)
+    wts = torch.randn(pos.numel(), generator=g)
+    out = {"sequence_parallel": layer.sequence_parallel}
+    for name in ("ref", "fused"):
+        x = full[rank * s // tp:(rank + 1) * s // tp].clone().requires_grad_()
+        if name == "ref":
+            logits, _ = layer(x)
+            lp, _ = token_log_probs(logits[:, 0], pos, tgt, group)
+        else:
+            lp, _ = output_layer_log_probs(x, layer, None, pos, tgt, group, chunk_bytes=4 * (v // tp) * 2)
+        (lp * wts).sum().backward()
+        out[name] = {"lp": lp.detach(), "hidden": x.grad.clone(), "weight": layer.weight.grad.clone()}
+        layer.weight.grad = None
+    return out

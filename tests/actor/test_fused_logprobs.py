@@ -1,7 +1,8 @@
 """actor.fused_logprobs: the output layer fused with the log-probs, against today's path (the [S, V/tp] logits
 -> actor.logprobs.token_log_probs) in fp32: in-process on a plain weight (untied, and tied to an embedding
 lookup), at several chunk sizes; and at TP2 (two gloo ranks) on megatron-core's GPTModel through its
-output_processor hook, tied and untied. Also: no [S, V]-sized tensor is allocated (a dispatch mode watching
+output_processor hook, tied and untied, and with sequence-split hidden states against megatron's
+sequence-parallel output layer. Also: no [S, V]-sized tensor is allocated (a dispatch mode watching
 every op's outputs; the same watch catches today's path), and what backward keeps equals
 models.memory.logprob_saved_bytes."""
 import pytest
@@ -137,6 +138,18 @@ def test_saved_for_backward_equals_the_estimate():
     assert res["lp_dtype"] == "torch.float32"
     want = logprob_saved_bytes(model_shape(fw.CFG), res["rows"], act_bytes=2)
     assert res["bytes"] == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.timeout(300)
+def test_tp2_sequence_parallel_output_layer_gathers_like_megatrons():
+    """Sequence-split hidden states (the TE model's layout; the actor refuses sequence parallelism on CPU, the
+    output layer alone runs): the same as megatron's ColumnParallelLinear(sequence_parallel=True) + logits."""
+    for rank, out in enumerate(run_multiprocess(fw.sequence_parallel_worker, 2, timeout=280)):
+        assert out["sequence_parallel"]
+        for k in ("lp", "hidden", "weight"):
+            ref = out["ref"][k]
+            assert float(ref.abs().max()) > 0, (rank, k)
+            assert (out["fused"][k] - ref).abs().max() <= 1e-5 * max(1.0, float(ref.abs().max())), (rank, k)
 
 
 @pytest.mark.gpu
