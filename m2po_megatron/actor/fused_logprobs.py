@@ -33,9 +33,10 @@ CHUNK_BYTES = 256 * 1024**2  # fp32 bytes of one chunk of logit rows (~440 rows 
 VOCAB_BLOCK = 16384  # rows of the output weight per bf16 gradient product (its temporary: VOCAB_BLOCK x H)
 
 
-def chunk_rows(vocab_local: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Rows per chunk: `chunk_bytes` of fp32 logits of this rank's vocabulary slice (at least one row)."""
-    return max(1, int(chunk_bytes) // (4 * max(1, int(vocab_local))))
+def chunk_rows(vocab_local: int, chunk_bytes: int | None = None) -> int:
+    """Rows per chunk: `chunk_bytes` (default CHUNK_BYTES, read at the call) of fp32 logits of this rank's
+    vocabulary slice (at least one row)."""
+    return max(1, int(CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // (4 * max(1, int(vocab_local))))
 
 
 def _chunks(n: int, rows: int):
@@ -90,7 +91,7 @@ class _FusedLogProbs(torch.autograd.Function):
 
 def fused_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
                           target: torch.Tensor, tp_group=None,
-                          chunk_bytes: int = CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+                          chunk_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [S, H] (the final norm's output, every row of the micro-batch on this rank), weight [V/tp, H]
     (this rank's vocabulary slice of the output layer), positions [R] distinct rows of `hidden`, target [R]
     global token ids -> (log p(target) [R] fp32 with gradient to hidden and weight, entropy [R] fp32 without).
@@ -109,7 +110,7 @@ def fused_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, positions:
 
 
 def output_layer_log_probs(hidden_states: torch.Tensor, output_layer, output_weight, positions: torch.Tensor,
-                           target: torch.Tensor, tp_group=None, chunk_bytes: int = CHUNK_BYTES):
+                           target: torch.Tensor, tp_group=None, chunk_bytes: int | None = None):
     """GPTModel's last stage: decoder output [S, 1, H] (sequence-split under sequence parallelism) and its
     output layer (a ColumnParallelLinear; `output_weight` the tied embedding's weight or None) -> the fused
     log-probs. Under sequence parallelism the rows are gathered first as the output layer would gather them;

@@ -202,3 +202,27 @@ def sequence_parallel_worker():
         out[name] = {"lp": lp.detach(), "hidden": x.grad.clone(), "weight": layer.weight.grad.clone()}
         layer.weight.grad = None
     return out
+
+
+def actor_alloc_worker(chunk_rows_: int = 8):
+    """MegatronActor (TP1, fp32, vocabulary 512) on rows of about 300 tokens: the largest tensor with a
+    vocabulary dimension that any op returns during compute_log_probs and during train_step (the M2PO mask's
+    forward, forward + backward, the optimizer step), with the fused chunk set to `chunk_rows_` rows."""
+    from m2po_megatron.actor import fused_logprobs
+    from m2po_megatron.actor.actor import MegatronActor
+    from actor_workers import make_batch, make_hf_model
+
+    fused_logprobs.CHUNK_BYTES = 4 * CFG["vocab_size"] * chunk_rows_
+    hf = make_hf_model(CFG)
+    batch = make_batch(n=6, vocab=CFG["vocab_size"], min_len=90, max_len=150, ref_model=hf)
+    actor = MegatronActor(hf_config=CFG, load_from=hf, micro_batch_tokens=320, lr=1e-5)
+    rows = [m.seq_len for m in actor._plan(batch, list(range(len(batch))))]
+    out = {"rows": rows, "vocab": CFG["vocab_size"], "hidden": CFG["hidden_size"]}
+    for name, fn in (("log_probs", lambda: actor.compute_log_probs(batch)),
+                     ("train_step", lambda: actor.train_step(batch))):
+        watch = LargestVocabTensor(CFG["vocab_size"])
+        with watch:
+            fn()
+        out[name] = watch.largest
+    actor.close()
+    return out

@@ -141,6 +141,19 @@ def test_saved_for_backward_equals_the_estimate():
 
 
 @pytest.mark.timeout(300)
+def test_actor_builds_no_s_by_v_tensor_in_log_probs_or_train_step():
+    """The actor's own plumbing: during compute_log_probs and train_step nothing with a vocabulary dimension
+    is larger than one 8-row chunk of logits or the [V, H] weight (and its gradient and Adam state). Today's
+    actor fails this: its model returns [1, S, V] logits (measured with this worker on the code before the
+    fused path: 298 x 512 = 152,576 elements, against 32,768 = V x H now)."""
+    out = run_multiprocess(fw.actor_alloc_worker, 1, args=(8,), timeout=280)[0]
+    v, h = out["vocab"], out["hidden"]
+    assert min(out["rows"]) * v > v * h  # the rows are long enough for [S, V] to stand out
+    for name in ("log_probs", "train_step"):
+        assert out[name] <= max(8 * v, v * h) < min(out["rows"]) * v, (name, out)
+
+
+@pytest.mark.timeout(300)
 def test_tp2_sequence_parallel_output_layer_gathers_like_megatrons():
     """Sequence-split hidden states (the TE model's layout; the actor refuses sequence parallelism on CPU, the
     output layer alone runs): the same as megatron's ColumnParallelLinear(sequence_parallel=True) + logits."""
