@@ -24,7 +24,7 @@ from m2po_megatron.infra.device import device
 
 from . import checkpoint
 from .batch import TrainBatch
-from .logprobs import token_log_probs
+from .fused_logprobs import output_layer_log_probs
 from .metrics import combine_updates, reduce_minibatch
 from .packing import MicroBatch, model_inputs, plan_microbatches, shard_for_dp, split_minibatches
 from .precision import probe_machine, resolve_precision
@@ -244,12 +244,16 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ forward plumbing
     def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool):
-        """Run megatron's schedule over this rank's micro-batches; loss_fn(mb, logits) on the last stage."""
+        """Run megatron's schedule over this rank's micro-batches; loss_fn(mb, (log-probs, entropy)) on the
+        last stage, where GPTModel's output_processor hook hands the final hidden states to the fused
+        output-layer log-probs instead of building [S, V/tp] logits (earlier stages return hidden states)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator: Iterator, model):
             mb = next(data_iterator)
-            return model(**model_inputs(mb, self.device, self.attention_backend)), partial(loss_fn, mb)
+            out = model(**model_inputs(mb, self.device, self.attention_backend),
+                        output_processor=self._response_logps, output_processor_context=mb)
+            return out, partial(loss_fn, mb)
 
         fb = get_forward_backward_func()
         seq_len = max(m.seq_len for m in mbs)
@@ -264,10 +268,19 @@ class MegatronActor:
             mbs = [m.padded_to(s) for m in mbs]
         return mbs
 
-    def _token_logps(self, mb: MicroBatch, logits: torch.Tensor, with_entropy: bool):
-        """Response-token log-probs [R] (with grad) and entropy [R] (no grad) from [1, S, V/tp] logits."""
-        pos = mb.logprob_positions
-        lp, ent = token_log_probs(logits[0], pos, mb.labels[0].index_select(0, pos), self.tp_group)
+    def _response_logps(self, *, hidden_states, output_layer, output_weight, context, config, **_):
+        """GPTModel's output_processor (last stage): the micro-batch `context`'s response-token log-probs [R]
+        (with grad to the hidden states and the output weight) and entropy [R] (no grad), from the decoder's
+        final hidden states and the output layer's weight, chunk by chunk (actor.fused_logprobs)."""
+        if getattr(config, "use_mup", False):
+            raise NotImplementedError("use_mup scales the logits; the fused output-layer log-probs do not")
+        pos = context.logprob_positions
+        return output_layer_log_probs(hidden_states, output_layer, output_weight, pos,
+                                      context.labels[0].index_select(0, pos), self.tp_group)
+
+    def _token_logps(self, mb: MicroBatch, out: tuple, with_entropy: bool):
+        """The (log-probs [R], entropy [R]) the model returned for `mb` (entropy None unless with_entropy)."""
+        lp, ent = out
         return lp, (ent if with_entropy else None)
 
     # ------------------------------------------------------------------ log-probs
@@ -297,8 +310,8 @@ class MegatronActor:
         if shard:
             mbs = self._plan(batch, shard)
 
-            def loss_fn(mb, logits):
-                lp, ent = self._token_logps(mb, logits, with_entropy)
+            def loss_fn(mb, model_out):
+                lp, ent = self._token_logps(mb, model_out, with_entropy)
                 lp, ent = lp.float().cpu(), (ent.float().cpu() if ent is not None else None)
                 k = 0
                 for i, r in zip(mb.seq_index, mb.response_lens):
@@ -306,7 +319,7 @@ class MegatronActor:
                     if ent is not None:
                         out[1, offs[i]:offs[i] + r] = ent[k:k + r]
                     k += r
-                return logits.new_zeros(()), {}
+                return model_out[0].new_zeros(()), {}
 
             self._eval_mode()
             self._run(mbs, loss_fn, forward_only=True)
@@ -364,8 +377,8 @@ class MegatronActor:
         mb_metrics: list[dict] = []
         extra = {"entropy_sum": 0.0}
 
-        def loss_fn(mb: MicroBatch, logits):
-            logp, ent = self._token_logps(mb, logits, with_entropy=True)
+        def loss_fn(mb: MicroBatch, model_out):
+            logp, ent = self._token_logps(mb, model_out, with_entropy=True)
             dev = logp.device
             behav = torch.cat([mb_batch.behav_log_probs[i] for i in mb.seq_index]).to(dev, torch.float32)
             adv = torch.cat([mb_batch.token_advantages(i) for i in mb.seq_index]).to(dev)
@@ -426,10 +439,10 @@ class MegatronActor:
 
         cur: dict[int, torch.Tensor] = {}
 
-        def loss_fn(mb, logits):
-            lp, _ = self._token_logps(mb, logits, with_entropy=False)
+        def loss_fn(mb, model_out):
+            lp, _ = self._token_logps(mb, model_out, with_entropy=False)
             cur[id(mb)] = lp.detach().float()
-            return logits.new_zeros(()), {}
+            return lp.new_zeros(()), {}
 
         self._eval_mode()
         self._run(mbs, loss_fn, forward_only=True)

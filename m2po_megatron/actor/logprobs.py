@@ -1,16 +1,18 @@
 """Per-token log-probs and entropy from vocabulary-parallel logits, without full-vocabulary fp32 copies.
 
-Each tensor-parallel rank holds the logits of its slice of the vocabulary ([S, V/tp], bf16 on GPU). One
-autograd function reads the rows that predict response tokens in chunks of a fixed byte budget, in fp32,
-and keeps per row only a local max, the sum of exp, the sum of exp * logit and the target's logit. Two
-all-reduces over the tensor-parallel group (max, then the three sums rescaled to the global max) give
+The logits-level form (and the math shared with actor.fused_logprobs, which the actor uses: it computes the
+logits chunk by chunk from the final hidden states, so no [S, V] tensor exists at all). Here each
+tensor-parallel rank holds the logits of its slice of the vocabulary ([S, V/tp]). One autograd function
+reads the rows that predict response tokens in chunks of a fixed byte budget, in fp32, and keeps per row only
+a local max, the sum of exp, the sum of exp * logit and the target's logit. Two all-reduces over the
+tensor-parallel group (max, then the three sums rescaled to the global max) give
 
     log p(target) = l_t - m - log Z,   H = log Z - sum_j exp(l_j - m) (l_j - m) / Z,   Z = sum_j exp(l_j - m)
 
 so the vocabulary is never gathered on one rank. Backward recomputes softmax chunk by chunk from the saved
 logits and the saved log-normaliser: d log p(t) / d l_j = [j == t] - p_j. Extra memory: the chunk
-temporaries (a few x `chunk_bytes`) and, in backward, the logits' gradient in the logits' dtype; no
-[S, V] fp32 tensor exists at any time. The entropy is a diagnostic and carries no gradient.
+temporaries (a few x `chunk_bytes`) and, in backward, the logits' gradient in the logits' dtype. The entropy
+is a diagnostic and carries no gradient.
 """
 from __future__ import annotations
 
@@ -26,48 +28,62 @@ def _chunks(n: int, vocab: int, chunk_bytes: int):
         yield s, min(n, s + rows)
 
 
-def _tp(group) -> tuple[int, int]:
+def tp_size_rank(group) -> tuple[int, int]:
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+def local_targets(target: torch.Tensor, vp: int, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's column of each target, 0 where another rank holds it; whether this rank holds it)."""
+    local = target - tp_size_rank(tp_group)[1] * vp
+    owned = (local >= 0) & (local < vp)
+    return torch.where(owned, local, torch.zeros_like(local)), owned
+
+
+def chunk_partials(x: torch.Tensor, local: torch.Tensor, m: torch.Tensor, sums: torch.Tensor) -> None:
+    """One chunk of fp32 logit rows x [c, V/tp] (overwritten) -> its local max into m [c] and the three
+    partial sums into sums [3, c] (views of the full-row buffers)."""
+    mc = x.max(dim=-1).values
+    x.sub_(mc.unsqueeze(-1))
+    m.copy_(mc)
+    sums[2].copy_(x.gather(-1, local.unsqueeze(-1)).squeeze(-1))
+    ex = x.exp()
+    sums[0].copy_(ex.sum(-1))
+    sums[1].copy_(ex.mul_(x).sum(-1))
+
+
+def combine_partials(m: torch.Tensor, sums: torch.Tensor, owned: torch.Tensor, tp_group):
+    """Per-row partials of this rank's vocabulary slice -> (log p(target), entropy, log-normaliser) over the
+    whole vocabulary. m [R]: local max; sums [3, R]: sum exp(l - m), sum exp(l - m) (l - m), l_t - m (any
+    value where not owned). Two all-reduces over the tensor-parallel group (max, then the rescaled sums)."""
+    sums[2] = torch.where(owned, sums[2], torch.zeros_like(sums[2]))
+    if tp_size_rank(tp_group)[0] > 1:  # move every rank's partial sums to the global max, then add them up
+        g = m.clone()
+        dist.all_reduce(g, op=dist.ReduceOp.MAX, group=tp_group)
+        shift = m - g
+        scale = torch.exp(shift)
+        sums[1] = scale * (sums[1] + shift * sums[0])
+        sums[0] = scale * sums[0]
+        sums[2] = torch.where(owned, sums[2] + shift, sums[2])
+        dist.all_reduce(sums, group=tp_group)
+        m = g
+    log_z = torch.log(sums[0])
+    return sums[2] - log_z, log_z - sums[1] / sums[0], m + log_z
 
 
 class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, positions, target, tp_group, chunk_bytes):
         n, vp = positions.numel(), logits.size(-1)
-        tp, tp_rank = _tp(tp_group)
-        local = target - tp_rank * vp  # this rank's column of the target, when it holds it
-        owned = (local >= 0) & (local < vp)
-        local = torch.where(owned, local, torch.zeros_like(local))
+        local, owned = local_targets(target, vp, tp_group)
         dev = logits.device
         m = torch.empty(n, dtype=torch.float32, device=dev)
         sums = torch.zeros(3, n, dtype=torch.float32, device=dev)  # sum exp, sum exp * (l - m), l_t - m
         for s, e in _chunks(n, vp, chunk_bytes):
-            x = logits.index_select(0, positions[s:e]).float()
-            mc = x.max(dim=-1).values
-            x.sub_(mc.unsqueeze(-1))
-            m[s:e] = mc
-            sums[2, s:e] = x.gather(-1, local[s:e].unsqueeze(-1)).squeeze(-1)
-            ex = x.exp()
-            sums[0, s:e] = ex.sum(-1)
-            sums[1, s:e] = (ex * x).sum(-1)
-            del x, ex
-        sums[2] = torch.where(owned, sums[2], torch.zeros_like(sums[2]))
-        if tp > 1:  # move every rank's partial sums to the global max, then add them up
-            g = m.clone()
-            dist.all_reduce(g, op=dist.ReduceOp.MAX, group=tp_group)
-            shift = m - g
-            scale = torch.exp(shift)
-            sums[1] = scale * (sums[1] + shift * sums[0])
-            sums[0] = scale * sums[0]
-            sums[2] = torch.where(owned, sums[2] + shift, sums[2])
-            dist.all_reduce(sums, group=tp_group)
-            m = g
-        log_z = torch.log(sums[0])
-        logp = sums[2] - log_z
-        entropy = log_z - sums[1] / sums[0]
-        ctx.save_for_backward(logits, positions, local, owned, m + log_z)
+            chunk_partials(logits.index_select(0, positions[s:e]).float(), local[s:e], m[s:e], sums[:, s:e])
+        logp, entropy, lse = combine_partials(m, sums, owned, tp_group)
+        ctx.save_for_backward(logits, positions, local, owned, lse)
         ctx.chunk_bytes = chunk_bytes
         ctx.mark_non_differentiable(entropy)
         return logp, entropy

@@ -8,8 +8,10 @@ is written out in docs/cluster.md, "Memory estimate"):
   optimizer  = P_rank x 12 (fp32 master copy + Adam m + v) / DP with the distributed optimizer
   activations= tokens x layers_in_flight x what one decoder layer saves for backward per token, counted
                tensor by tensor for the attention backend as built (layer_saved_elements)
-  logits     = tokens x vocab/TP x 2 x bytes(params_dtype) on the last stage (the logits kept for backward
-               and their gradient; actor.logprobs works on fixed-size fp32 chunks) + the chunk temporaries
+  logits     = what actor.fused_logprobs builds on the last stage instead of [S, V/TP] logits: per token the
+               response row's hidden state and four per-row vectors kept for backward, one chunk of logit
+               rows at a time, and in backward the output weight's gradient ([V/TP, H], summed in fp32) and
+               the hidden states' gradient (logprob_bytes)
   optimizer_step = P_rank x 4 / DP: torch's foreach AdamW (megatron's optimizer without TE/Apex) makes one
                fp32 temporary per parameter during the step, when the activations are already freed
   overhead   = CUDA context, NCCL buffers and allocator fragmentation (a fixed allowance)
@@ -29,7 +31,8 @@ BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16"
 RECOMPUTE = (None, "none", "selective", "full")
 ATTENTION_BACKENDS = ("te", "sdpa", "local")
 MARGIN = 0.15  # stated accuracy of the tensor terms against the allocator's peak
-LOGPROB_CHUNK_BYTES = 64 * 1024**2  # actor.logprobs.CHUNK_BYTES
+LOGPROB_CHUNK_BYTES = 256 * 1024**2  # actor.fused_logprobs.CHUNK_BYTES
+LOGPROB_VOCAB_BLOCK = 16384  # actor.fused_logprobs.VOCAB_BLOCK
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,34 @@ def _layer_activation_bytes(s: ModelShape, tp: int, sp: bool, fp8: bool, backend
     return act * act_bytes + fp8b + 4 * f32
 
 
+def logprob_saved_bytes(s: ModelShape, response_tokens: float, act_bytes: int) -> dict[str, float]:
+    """What actor.fused_logprobs keeps for backward, by dtype (parameters excluded): the response rows'
+    hidden states (activation dtype), the row index of index_select and the local target (int64), the
+    log-normaliser (fp32) and whether this rank holds the target (bool)."""
+    r = float(response_tokens)
+    act = "float32" if act_bytes == 4 else "bfloat16"
+    out = {"int64": 16 * r, "bool": r}
+    out["float32"] = 4 * r + (r * s.hidden * 4 if act == "float32" else 0.0)
+    if act != "float32":
+        out[act] = r * s.hidden * act_bytes
+    return out
+
+
+def logprob_bytes(s: ModelShape, response_tokens: float, tp: int, act_bytes: int,
+                  chunk_bytes: int = LOGPROB_CHUNK_BYTES) -> tuple[float, float]:
+    """(saved for backward, backward's peak temporaries) of actor.fused_logprobs for `response_tokens` rows of
+    a micro-batch on one tensor-parallel rank. Backward holds the fp32 [V/tp, H] sum of the output weight's
+    gradient (and, in bf16, one vocabulary block's product and the cast gradient handed to autograd), one chunk
+    of logit rows (recomputed, in the activation dtype, and fp32 probabilities), the response rows' hidden
+    gradient and its scatter to every row (index_select's backward)."""
+    r, vp, h = float(response_tokens), s.vocab / tp, s.hidden
+    saved = sum(logprob_saved_bytes(s, r, act_bytes).values())
+    rows = min(r, max(1, chunk_bytes // (4 * max(1, int(vp)))))  # actor.fused_logprobs.chunk_rows
+    weight_grad = vp * h * 4 + ((vp + min(vp, LOGPROB_VOCAB_BLOCK)) * h * act_bytes if act_bytes < 4 else 0)
+    temps = weight_grad + rows * vp * (4 + act_bytes) + 2 * r * h * act_bytes
+    return saved, temps
+
+
 def estimate_gpu_memory(
     hf_config: dict,
     *,
@@ -250,9 +281,8 @@ def estimate_gpu_memory(
     # outside the layers (last stage, one micro-batch): the final norm's and the output layer's inputs, the
     # token ids, the dense mask of the local backend
     act += tokens * (2 * s.hidden * pbytes / sp_div + 4 / sp_div + 8 + (tokens if attention_backend == "local" else 0))
-    # the last stage keeps the vocab-parallel logits for backward and then holds their gradient too, plus
-    # the fixed fp32 chunks of actor.logprobs (a few at a time)
-    logits = tokens * s.vocab / tp * 2 * pbytes + 3 * LOGPROB_CHUNK_BYTES
+    # the last stage's fused output layer + log-probs (every row counted as a response row: an upper bound)
+    logits = sum(logprob_bytes(s, tokens, tp, pbytes))
     # torch's foreach AdamW (no TE/Apex): one fp32 temporary per (sharded) parameter during the step
     step = 4 * p_rank / (dp * cp if use_distributed_optimizer else 1) if attention_backend != "te" else 0.0
 
