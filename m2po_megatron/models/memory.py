@@ -278,9 +278,10 @@ def estimate_gpu_memory(
         act = tokens * (layers_stage * in_flight * pbytes * s.hidden / sp_div + per_layer)
     else:
         act = tokens * layers_stage * in_flight * per_layer
-    # outside the layers (last stage, one micro-batch): the final norm's and the output layer's inputs, the
-    # token ids, the dense mask of the local backend
-    act += tokens * (2 * s.hidden * pbytes / sp_div + 4 / sp_div + 8 + (tokens if attention_backend == "local" else 0))
+    # outside the layers (last stage, one micro-batch): the final norm's input (its output, the fused log-prob
+    # op's input, is kept only at the response rows: counted in logprob_bytes), the token ids, the dense mask
+    # of the local backend
+    act += tokens * (s.hidden * pbytes / sp_div + 4 / sp_div + 8 + (tokens if attention_backend == "local" else 0))
     # the last stage's fused output layer + log-probs (every row counted as a response row: an upper bound)
     logits = sum(logprob_bytes(s, tokens, tp, pbytes))
     # torch's foreach AdamW (no TE/Apex): one fp32 temporary per (sharded) parameter during the step
