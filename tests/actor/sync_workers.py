@@ -1,0 +1,148 @@
+"""Workers for tests/actor/test_host_syncs.py (imported by spawned children, so no pytest imports here).
+
+`SyncCounter` counts what makes the host wait for the device on a GPU, while it is active:
+  - `_local_scalar_dense` (the aten op behind `.item()`, `float(t)`, `int(t)`, `bool(t)`), `nonzero` (and the
+    boolean-mask indexing / `masked_select` / `unique` / `repeat_interleave` without output_size that need it),
+    seen below the dispatcher, whoever calls them (megatron included);
+  - `Tensor.tolist()` and `Tensor.cpu()` calls, seen at the Python API (tolist reads memory in C++ without an
+    aten op);
+  - `Tensor.to(device)` / `Tensor.cuda()` copies without `non_blocking=True` (a blocking host-to-device copy).
+On CPU none of these waits for anything, but each is a point where a CUDA run would synchronise, so their count
+is what the tests compare."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_ATEN = {
+    torch.ops.aten._local_scalar_dense.default: "item",
+    torch.ops.aten.nonzero.default: "nonzero",
+    torch.ops.aten.masked_select.default: "nonzero",
+    torch.ops.aten._unique2.default: "unique",
+    torch.ops.aten.unique_dim.default: "unique",
+    torch.ops.aten.unique_consecutive.default: "unique",
+}
+_DEVICE_ARGS = (str, torch.device, int)
+
+
+def _where() -> str:
+    """file:line of the innermost caller outside torch (for SYNC_TRACE=1 debugging)."""
+    import traceback
+
+    for fr in reversed(traceback.extract_stack()[:-3]):
+        if not any(s in fr.filename for s in ("/torch/", "sync_workers", "cpu_compat")):
+            return f"{fr.filename.split('site-packages/')[-1].split('syncs/')[-1]}:{fr.lineno}"
+    return "?"
+
+
+TRACE = Counter()
+
+
+def _trace(kind):
+    import os
+
+    if os.environ.get("SYNC_TRACE"):
+        TRACE[(kind, _where())] += 1
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, counts):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _ATEN.get(func)
+        if name:
+            self.counts[name] += 1
+            _trace(name)
+        elif func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+            _trace("nonzero"); self.counts["nonzero"] += 1  # the output length is read from the device
+        elif func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default):
+            if any(i is not None and i.dtype == torch.bool for i in args[1]):
+                _trace("nonzero"); self.counts["nonzero"] += 1  # boolean-mask indexing runs nonzero
+        return func(*args, **kwargs)
+
+
+class _Function(TorchFunctionMode):
+    def __init__(self, counts):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.tolist:
+            self.counts["tolist"] += 1; _trace("tolist")
+        elif func is torch.Tensor.cpu:
+            self.counts["cpu"] += 1; _trace("cpu")
+        elif func is torch.Tensor.cuda and not kwargs.get("non_blocking"):
+            self.counts["blocking_copy"] += 1; _trace("copy")
+        elif func is torch.Tensor.to and not kwargs.get("non_blocking") and (
+                "device" in kwargs or (len(args) > 1 and isinstance(args[1], _DEVICE_ARGS))):
+            if not (len(args) > 2 and args[2] is True):  # .to(device, dtype, non_blocking) positionally
+                self.counts["blocking_copy"] += 1; _trace("copy")
+        return func(*args, **kwargs)
+
+
+class SyncCounter:
+    """with SyncCounter() as c: ...; c.counts -> Counter of the kinds above; c.total their sum."""
+
+    def __enter__(self):
+        self.counts = Counter()
+        self._f, self._d = _Function(self.counts), _Dispatch(self.counts)
+        self._f.__enter__()
+        self._d.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._d.__exit__(*exc)
+        self._f.__exit__(*exc)
+        return False
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def _batch(n_seqs: int, seq_len: int, vocab: int, seed: int):
+    from m2po_megatron.actor.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, vocab, (seq_len,), generator=g) for _ in range(n_seqs)]
+    b = TrainBatch(ids, [3] * n_seqs)
+    b.behav_log_probs = [-torch.rand(seq_len - 3, generator=g) * 3 for _ in range(n_seqs)]
+    b.advantages = torch.randn(n_seqs, generator=g)
+    return b
+
+
+def count_worker(settings: list[dict]):
+    """For each setting (actor kwargs + `n_mb`, the micro-batches the batch is packed into): the sync counts of
+    one train_step and one compute_log_probs on the same batch (12 sequences of 16 tokens: the token budget
+    makes exactly n_mb micro-batches of 12/n_mb sequences each), after one warm-up step."""
+    from actor_workers import tiny_config
+
+    from m2po_megatron.actor.actor import MegatronActor
+
+    cfg = tiny_config("qwen2_untied")
+    out = []
+    for s in settings:
+        s = dict(s)
+        n_mb = s.pop("n_mb")
+        n_seqs, seq_len = 12, 16
+        actor = MegatronActor(hf_config=cfg, micro_batch_tokens=seq_len * n_seqs // n_mb, lr=1e-4, **s)
+        batch = _batch(n_seqs, seq_len, cfg["vocab_size"], seed=1)
+        actor.train_step(batch)  # warm-up: lazy state (optimizer state, cached flags) is built once
+        with SyncCounter() as train:
+            m = actor.train_step(batch)
+        train_trace = dict(TRACE)
+        TRACE.clear()
+        with SyncCounter() as logp:
+            lp, _ = actor.compute_log_probs(batch)
+        out.append({"train": dict(train.counts), "logp": dict(logp.counts), "num_microbatches": m["num_microbatches"],
+                    "grad_norm": m["grad_norm"], "loss": m["loss"], "n_lp": len(lp), "trace": {"train": train_trace, "logp": dict(TRACE)}})
+        TRACE.clear()
+        actor.close()
+    return out
