@@ -146,3 +146,56 @@ def count_worker(settings: list[dict]):
         TRACE.clear()
         actor.close()
     return out
+
+
+def nonfinite_worker():
+    """grpo (no batch-level mask, so the check is the loss's, read after the schedule): an advantage that is
+    NaN must raise naming `advantages`, and leave the weights and the update count as they were."""
+    from actor_workers import tiny_config
+
+    from m2po_megatron.actor.actor import MegatronActor
+
+    cfg = tiny_config("qwen2_untied")
+    actor = MegatronActor(hf_config=cfg, micro_batch_tokens=64, lr=1e-2, loss_name="grpo")
+    batch = _batch(12, 16, cfg["vocab_size"], seed=2)
+    batch.advantages[5] = float("nan")
+    before = [p.detach().clone() for p in actor.model[0].parameters()]
+    try:
+        actor.train_step(batch)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    moved = max(float((p.detach() - b).abs().max()) for p, b in zip(actor.model[0].parameters(), before))
+    out = {"error": error, "moved": moved, "updates": actor.updates_applied}
+    batch.advantages[5] = 0.5  # the actor is usable afterwards
+    out["next_loss"] = actor.train_step(batch)["loss"]
+    out["moved_after"] = max(float((p.detach() - b).abs().max())
+                             for p, b in zip(actor.model[0].parameters(), before))
+    actor.close()
+    return out
+
+
+def grad_norm_worker(distributed_optimizer: bool):
+    """TP2 (this group has 2 ranks): after one train_step without clipping, the step's grad norm (ours), our
+    fused norm and megatron's own get_grad_norm_fp32 over the optimizer's grads, and the norm over every
+    parameter's grad (duplicates included), which megatron's rule must differ from at TP2."""
+    from actor_workers import tiny_config
+    from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+
+    from m2po_megatron.actor.actor import MegatronActor
+    from m2po_megatron.actor.grad_norm import fused_grad_norm
+
+    cfg = tiny_config("qwen2_untied")
+    actor = MegatronActor(hf_config=cfg, micro_batch_tokens=64, lr=1e-3, clip_grad=0.0,
+                          tensor_model_parallel_size=2, use_distributed_optimizer=distributed_optimizer)
+    batch = _batch(12, 16, cfg["vocab_size"], seed=3)
+    step_norm = actor.train_step(batch)["grad_norm"]
+    opt = actor.optimizer
+    group = opt.get_grad_stats_parallel_group()
+    grads = [g for s in opt.chained_optimizers for g in s.get_grads_for_grad_norm()]
+    everything = [p.main_grad for m in actor.model for p in m.parameters()]
+    out = {"step": step_norm, "fused": fused_grad_norm(grads, group),
+           "megatron": float(get_grad_norm_fp32(grads, grad_stats_parallel_group=group)),
+           "all_params": fused_grad_norm(everything, group), "n_grads": len(grads), "n_params": len(everything)}
+    actor.close()
+    return out
