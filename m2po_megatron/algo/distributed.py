@@ -26,7 +26,6 @@ Communication per call (P ranks in the group, |T_r| trust-region tokens on rank 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -232,22 +231,26 @@ def _device_for(group) -> torch.device:
 @torch.no_grad()
 def global_token_counts(masks: Tensor | Sequence[Tensor], *, group=None,
                         seq_ids: Tensor | Sequence[Tensor] | None = None) -> tuple[int, int]:
-    """(num_tokens, num_seqs) over all micro-batches and the group's ranks: one all_reduce of 2 numbers.
+    """(num_tokens, num_seqs) over all micro-batches and the group's ranks: one all_reduce of 2 numbers and
+    one host read.
     Use as policy_loss denominators for losses that need no M2PO mask (grpo, grpo_notr, gspo)."""
     masks = _as_list(masks)
     seq_ids = _as_list(seq_ids, len(masks))
     world = _world(group)
-    n_tok, n_seq = 0, 0
+    toks, seqs = [], []
     for i, (m, sid) in enumerate(zip(masks, seq_ids)):
         m = as_bool_mask(m, f"masks[{i}]")
-        n_tok += int(m.sum())
+        toks.append(m.sum().to(torch.float64))
         vt = valid_tokens(m, sid, "global_token_counts")
-        n_seq = -math.inf if not vt.known_seqs else n_seq + int(vt.num_seqs())
-    if world == 1:
-        return n_tok, (-1 if n_seq < 0 else int(n_seq))
-    t = torch.tensor([n_tok, max(n_seq, -1e18)], dtype=torch.float64, device=_device_for(group))
-    dist.all_reduce(t, group=group)
-    tok, seq = t.tolist()
+        seqs.append(vt.num_seqs().to(torch.float64) if vt.known_seqs else None)
+    dev = _device_for(group) if world > 1 else (toks[0].device if toks else torch.device("cpu"))
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    n_seq = (torch.full((), -1e18, dtype=torch.float64, device=dev) if any(x is None for x in seqs)
+             else sum((x.to(dev) for x in seqs), zero))
+    t = torch.stack([sum((x.to(dev) for x in toks), zero), n_seq])
+    if world > 1:
+        dist.all_reduce(t, group=group)
+    tok, seq = t.tolist()  # the one host read
     return int(tok), (-1 if seq < 0 else int(seq))
 
 

@@ -6,8 +6,8 @@ v_i = l_i^2. Trust-region tokens T = {A > 0 and l > 0} u {A < 0 and l < 0}; M2 =
 remove (Algorithm 1): while M2 over the remaining T exceeds tau, drop the remaining T token with the largest
   v. Since dropping the largest value can only lower the mean, the greedy loop keeps exactly the m* smallest
   values of T, where m* = max{m in 0..|T| : v_(1) + ... + v_(m) <= tau * m} (v_(k) ascending). One stable
-  sort + one cumulative sum finds m*, with no loop, no data-dependent shape and no host sync. Ties: among equal values the token that
-  comes later in the batch order (row-major valid tokens; micro-batches in order; ranks in group order) is
+  sort + one cumulative sum finds m*, with no loop, no data-dependent shape and no host sync. Ties: among
+  equal values the token that comes later in the batch order (row-major valid tokens; micro-batches in order; ranks in group order) is
   dropped first, in one process or many.
 
 cap (released code, verl fork): if M2 <= tau (+1e-12) nothing is bounded. Otherwise find the first sorted

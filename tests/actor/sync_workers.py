@@ -11,6 +11,7 @@ On CPU none of these waits for anything, but each is a point where a CUDA run wo
 is what the tests compare."""
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import torch
@@ -25,27 +26,21 @@ _ATEN = {
     torch.ops.aten.unique_dim.default: "unique",
     torch.ops.aten.unique_consecutive.default: "unique",
 }
+_INDEX = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default)
 _DEVICE_ARGS = (str, torch.device, int)
+TRACE = Counter()  # (kind, file:line) -> count, filled when SYNC_TRACE=1 (to find where a count comes from)
 
 
-def _where() -> str:
-    """file:line of the innermost caller outside torch (for SYNC_TRACE=1 debugging)."""
-    import traceback
-
-    for fr in reversed(traceback.extract_stack()[:-3]):
-        if not any(s in fr.filename for s in ("/torch/", "sync_workers", "cpu_compat")):
-            return f"{fr.filename.split('site-packages/')[-1].split('syncs/')[-1]}:{fr.lineno}"
-    return "?"
-
-
-TRACE = Counter()
-
-
-def _trace(kind):
-    import os
-
+def _note(counts, kind: str) -> None:
+    counts[kind] += 1
     if os.environ.get("SYNC_TRACE"):
-        TRACE[(kind, _where())] += 1
+        import traceback
+
+        skip = ("/torch/", "sync_workers", "cpu_compat")
+        for fr in reversed(traceback.extract_stack()[:-2]):
+            if not any(s in fr.filename for s in skip):
+                TRACE[(kind, f"{fr.filename.split('site-packages/')[-1]}:{fr.lineno}")] += 1
+                break
 
 
 class _Dispatch(TorchDispatchMode):
@@ -55,15 +50,12 @@ class _Dispatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = _ATEN.get(func)
-        if name:
-            self.counts[name] += 1
-            _trace(name)
+        if func in _ATEN:
+            _note(self.counts, _ATEN[func])
         elif func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
-            _trace("nonzero"); self.counts["nonzero"] += 1  # the output length is read from the device
-        elif func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default):
-            if any(i is not None and i.dtype == torch.bool for i in args[1]):
-                _trace("nonzero"); self.counts["nonzero"] += 1  # boolean-mask indexing runs nonzero
+            _note(self.counts, "nonzero")  # the output length is read from the device
+        elif func in _INDEX and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            _note(self.counts, "nonzero")  # boolean-mask indexing runs nonzero
         return func(*args, **kwargs)
 
 
@@ -75,15 +67,15 @@ class _Function(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.tolist:
-            self.counts["tolist"] += 1; _trace("tolist")
+            _note(self.counts, "tolist")
         elif func is torch.Tensor.cpu:
-            self.counts["cpu"] += 1; _trace("cpu")
+            _note(self.counts, "cpu")
         elif func is torch.Tensor.cuda and not kwargs.get("non_blocking"):
-            self.counts["blocking_copy"] += 1; _trace("copy")
+            _note(self.counts, "blocking_copy")
         elif func is torch.Tensor.to and not kwargs.get("non_blocking") and (
                 "device" in kwargs or (len(args) > 1 and isinstance(args[1], _DEVICE_ARGS))):
             if not (len(args) > 2 and args[2] is True):  # .to(device, dtype, non_blocking) positionally
-                self.counts["blocking_copy"] += 1; _trace("copy")
+                _note(self.counts, "blocking_copy")
         return func(*args, **kwargs)
 
 
@@ -135,15 +127,16 @@ def count_worker(settings: list[dict]):
         actor = MegatronActor(hf_config=cfg, micro_batch_tokens=seq_len * n_seqs // n_mb, lr=1e-4, **s)
         batch = _batch(n_seqs, seq_len, cfg["vocab_size"], seed=1)
         actor.train_step(batch)  # warm-up: lazy state (optimizer state, cached flags) is built once
+        TRACE.clear()
         with SyncCounter() as train:
             m = actor.train_step(batch)
-        train_trace = dict(TRACE)
+        trace = {"train": dict(TRACE)}
         TRACE.clear()
         with SyncCounter() as logp:
             lp, _ = actor.compute_log_probs(batch)
+        trace["logp"] = dict(TRACE)
         out.append({"train": dict(train.counts), "logp": dict(logp.counts), "num_microbatches": m["num_microbatches"],
-                    "grad_norm": m["grad_norm"], "loss": m["loss"], "n_lp": len(lp), "trace": {"train": train_trace, "logp": dict(TRACE)}})
-        TRACE.clear()
+                    "grad_norm": m["grad_norm"], "loss": m["loss"], "n_lp": len(lp), "trace": trace})
         actor.close()
     return out
 
