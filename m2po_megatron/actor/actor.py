@@ -309,21 +309,19 @@ class MegatronActor:
         if shard:
             mbs = self._plan(batch, shard)
             parts: list[torch.Tensor] = []
-            where: list[int] = []  # positions in `out` of each micro-batch's response tokens, in order
+            where: list[torch.Tensor] = []  # host: positions in `out` of each micro-batch's response tokens
 
             def loss_fn(mb, logits):
                 lp, ent = self._token_logps(mb, logits, with_entropy)
-                parts.append(torch.stack([lp.detach().float(), ent.float() if ent is not None else torch.zeros_like(
-                    lp, dtype=torch.float32)]))
-                for i, r in zip(mb.seq_index, mb.response_lens):
-                    where.extend(range(offs[i], offs[i] + r))
+                ent = ent.float() if ent is not None else torch.zeros_like(lp, dtype=torch.float32)
+                parts.append(torch.stack([lp.detach().float(), ent]))
+                where.extend(torch.arange(offs[i], offs[i] + r) for i, r in zip(mb.seq_index, mb.response_lens))
                 return logits.new_zeros(()), {}
 
             self._eval_mode()
             self._run(mbs, loss_fn, forward_only=True)
             if parts:  # the last pipeline stage
-                out.index_copy_(1, to_device(torch.tensor(where, dtype=torch.long), out.device),
-                                torch.cat(parts, 1))
+                out.index_copy_(1, to_device(torch.cat(where), out.device), torch.cat(parts, 1))
         return self._share(out)
 
     def _share(self, t: torch.Tensor) -> torch.Tensor:
