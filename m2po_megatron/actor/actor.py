@@ -26,7 +26,7 @@ from . import checkpoint
 from .batch import TrainBatch
 from .grad_norm import use_fused_grad_norm
 from .logprobs import token_log_probs
-from .metrics import combine_updates, reduce_minibatch
+from .metrics import combine_updates, read_step_values, reduce_minibatch
 from .packing import (
     MicroBatch,
     model_inputs,
@@ -409,9 +409,9 @@ class MegatronActor:
         try:
             self._run(mbs, loss_fn, forward_only=False)
         except Exception:
-            _read_step_values(stats, ent_sums)  # a NaN/inf input that broke the step: name it
+            read_step_values(stats, ent_sums)  # a NaN/inf input that broke the step: name it
             raise
-        mb_metrics, entropy_sum = _read_step_values(stats, ent_sums)  # raises on NaN/inf inputs
+        mb_metrics, entropy_sum = read_step_values(stats, ent_sums)  # raises on NaN/inf inputs
         lr_used = float(self.optimizer.param_groups[0]["lr"])
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
@@ -487,22 +487,6 @@ class MegatronActor:
 
 
 # ---------------------------------------------------------------------- helpers
-def _read_step_values(stats: list, ent_sums: list[torch.Tensor]) -> tuple[list[dict], float]:
-    """The micro-batches' loss metrics and the entropy sum of a mini-batch: one device read. Raises
-    ValueError naming the input that held NaN or inf."""
-    from m2po_megatron.algo import losses as algo_losses
-
-    if not stats:
-        return [], 0.0
-    rows = torch.cat([torch.stack([s.values for s in stats]),
-                      torch.stack(ent_sums).to(torch.float64).unsqueeze(1)], 1).tolist()
-    metrics = algo_losses.read_loss_stats(stats, rows)
-    entropy_sum = 0.0
-    for row in rows:  # in micro-batch order, as the per-micro-batch float() sums were
-        entropy_sum += row[-1]
-    return metrics, entropy_sum
-
-
 def _check_options(*, micro_batch_tokens, context_parallel_size, virtual_pipeline_model_parallel_size, optimizer,
                    use_distributed_optimizer, lr_schedule, lr_decay_steps, m2po_scope, recompute_granularity,
                    recompute_method, loss_name) -> None:
