@@ -113,6 +113,16 @@ def _local(log_ratios, advantages, masks, seq_ids):
     return ms, lrs, trs, [t.numel() for t in lrs], counters, bad
 
 
+def _flag_positions(flags: Tensor, count: int) -> Tensor:
+    """Positions of the True entries of `flags`, in order, given their number (known on the host): nonzero
+    without its device read. Each flagged position goes to its rank among the flagged (a cumulative sum);
+    the rest go to a spare slot that is dropped."""
+    rank = torch.cumsum(flags, 0) - 1
+    out = torch.zeros(count + 1, dtype=torch.long, device=flags.device)
+    slot = torch.where(flags, rank, torch.full_like(rank, count))
+    return out.scatter_(0, slot, torch.arange(flags.numel(), device=flags.device))[:count]
+
+
 def _raise_nonfinite(table, bad, world):
     """After the first gather: every rank raises if any rank saw NaN/inf, naming the tensor where it can."""
     if not any(row[-1] > 0 or row[-2] > 0 for row in table):
@@ -191,8 +201,7 @@ def global_m2po_keep_masks(
     else:
         me = dist.get_rank(group) if world > 1 else 0
         n_t = n_tr[me]
-        # T's positions in batch order without nonzero: a stable sort puts the flagged positions first.
-        t_pos = torch.sort((~tr_all).to(torch.uint8), stable=True).indices[:n_t]
+        t_pos = _flag_positions(tr_all, n_t)
         local_vals = lr_all[t_pos]
         max_t = max(n_tr)
         if world > 1 and max_t > 0:  # collective 2: only the trust-region log-ratios

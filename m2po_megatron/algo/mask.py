@@ -6,8 +6,9 @@ v_i = l_i^2. Trust-region tokens T = {A > 0 and l > 0} u {A < 0 and l < 0}; M2 =
 remove (Algorithm 1): while M2 over the remaining T exceeds tau, drop the remaining T token with the largest
   v. Since dropping the largest value can only lower the mean, the greedy loop keeps exactly the m* smallest
   values of T, where m* = max{m in 0..|T| : v_(1) + ... + v_(m) <= tau * m} (v_(k) ascending). One stable
-  sort + one cumulative sum finds m*, with no loop, no data-dependent shape and no host sync. Ties: among
-  equal values the token that comes later in the batch order (row-major valid tokens; micro-batches in order; ranks in group order) is
+  sort + one cumulative sum finds m*, with no loop (keep_trust_region: no data-dependent shape and no host
+  sync either; m2po_keep_mask selects T first, one sync per batch). Ties: among equal values the token that
+  comes later in the batch order (row-major valid tokens; micro-batches in order; ranks in group order) is
   dropped first, in one process or many.
 
 cap (released code, verl fork): if M2 <= tau (+1e-12) nothing is bounded. Otherwise find the first sorted
@@ -97,32 +98,35 @@ def cap_bound_sq(sorted_v: Tensor, tau: float, num_trust_region: Tensor | None =
     return torch.where(no_bound, torch.full_like(c2, math.inf), c2)
 
 
-def keep_trust_region(log_ratio: Tensor, in_region: Tensor, tau: float, rule: str = "remove") -> Tensor:
+def keep_trust_region(log_ratio: Tensor, in_region: Tensor | None, tau: float, rule: str = "remove") -> Tensor:
     """Keep flags [N] for flat log-ratios [N] in batch order, of which `in_region` [N] marks the trust-region
-    tokens T; True everywhere off T. The whole decision, with no data-dependent shape: tokens off T sort last
-    (as +inf, stably), so the first |T| sorted values are exactly T's in the order a sort of T alone gives;
-    m2po_keep_mask, policy_loss and the distributed version all decide through here, which is why they agree."""
+    tokens T (None: all of them); True everywhere off T. The whole decision, with no data-dependent shape:
+    tokens off T sort last (as +inf, stably), so the first |T| sorted values are exactly T's in the order a
+    sort of T alone gives; m2po_keep_mask, policy_loss and the distributed version all decide through here,
+    which is why they agree."""
     check_tau_rule(tau, rule)
     v = _squares(log_ratio.reshape(-1))
-    in_region = in_region.reshape(-1)
     n = v.numel()
     if n == 0:
         return torch.ones(0, dtype=torch.bool, device=v.device)
-    big = torch.where(in_region, v, torch.full_like(v, math.inf))
+    if in_region is None:
+        big, n_t = v, None
+    else:
+        in_region = in_region.reshape(-1)
+        big, n_t = torch.where(in_region, v, torch.full_like(v, math.inf)), in_region.sum()
     if rule == "cap":
-        sorted_v = torch.sort(big).values
-        return ~in_region | (v < cap_bound_sq(sorted_v, tau, in_region.sum()))
-    sorted_v, order = torch.sort(big, stable=True)
-    keep_sorted = torch.arange(n, device=v.device) < remove_keep_count(sorted_v, tau)
-    keep = torch.empty_like(keep_sorted)
-    keep[order] = keep_sorted
-    return ~in_region | keep
+        keep = v < cap_bound_sq(torch.sort(big).values, tau, n_t)
+    else:
+        sorted_v, order = torch.sort(big, stable=True)
+        keep_sorted = torch.arange(n, device=v.device) < remove_keep_count(sorted_v, tau)
+        keep = torch.empty_like(keep_sorted)
+        keep[order] = keep_sorted
+    return keep if in_region is None else ~in_region | keep
 
 
 def keep_trust_region_values(tr_log_ratio: Tensor, tau: float, rule: str = "remove") -> Tensor:
     """Keep flags for the trust-region tokens alone, given their log-ratios in batch order (1-D)."""
-    flat = tr_log_ratio.reshape(-1)
-    return keep_trust_region(flat, torch.ones_like(flat, dtype=torch.bool), tau, rule)
+    return keep_trust_region(tr_log_ratio, None, tau, rule)
 
 
 def m2po_keep_mask(
@@ -157,5 +161,9 @@ def m2po_keep_mask(
         if lr.dtype in (torch.float16, torch.bfloat16):
             lr = lr.float()
         tr = trust_region(lr, advantages.detach(), mask).reshape(-1)
-        keep = mask.reshape(-1) & keep_trust_region(lr.reshape(-1), tr, tau, rule)
+        # A whole batch, once: sorting only T's values (one nonzero, one host sync) halves the sort and its
+        # memory against keep_trust_region's padded form, which the per-micro-batch loss uses instead.
+        idx = tr.nonzero().squeeze(-1)
+        keep = mask.reshape(-1).clone()
+        keep[idx] = keep_trust_region_values(lr.reshape(-1)[idx], tau, rule)
         return keep.reshape(mask.shape)
