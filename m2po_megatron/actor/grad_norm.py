@@ -6,6 +6,7 @@ back to `megatron.core.utils.local_multi_tensor_l2_norm`: one `torch.norm` per g
 more) and `.item()` after the all-reduce (one more). `fused_grad_norm` computes the same number with
 `torch._foreach_norm` (one multi-tensor kernel), one stack/norm and one read after the all-reduce.
 
+Where TE or Apex is installed megatron's own fused norm is kept (`use_fused_grad_norm` leaves it).
 Hook: megatron's ChainedOptimizer.step() asks `self.get_grad_norm()` for the norm it logs, clips by and
 returns; `use_fused_grad_norm` sets that method on the optimizer object to ours, over the same gradients
 (`get_grads_for_grad_norm()`: megatron's own rule that leaves out shared and tensor-parallel duplicate
@@ -33,9 +34,21 @@ def fused_grad_norm(grads: list[torch.Tensor], group=None) -> float:
     return float(total.item()) ** 0.5
 
 
-def use_fused_grad_norm(optimizer) -> None:
+def megatron_norm_is_fallback() -> bool:
+    """Whether megatron-core computes grad norms with its per-tensor fallback (neither TE nor Apex found)."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    return clip_grads.l2_norm_impl is local_multi_tensor_l2_norm
+
+
+def use_fused_grad_norm(optimizer, force: bool = False) -> bool:
     """Make `optimizer` (megatron's ChainedOptimizer or one of its optimizers) compute its grad norm with
-    fused_grad_norm. The chained optimizers must share one grad-stats group (they do for a dense GPT)."""
+    fused_grad_norm, where megatron would use its per-tensor fallback (or `force`); with TE or Apex megatron's
+    own multi-tensor norm stays (TE's even keeps the norm on the device for clipping). Returns whether it
+    was set. The chained optimizers must share one grad-stats group (they do for a dense GPT)."""
+    if not (force or megatron_norm_is_fallback()):
+        return False
     subs = getattr(optimizer, "chained_optimizers", [optimizer])
     group = subs[0].get_grad_stats_parallel_group()
     if any(s.get_grad_stats_parallel_group() is not group for s in subs):
@@ -48,3 +61,4 @@ def use_fused_grad_norm(optimizer) -> None:
         return fused_grad_norm(grads, group)
 
     optimizer.get_grad_norm = get_grad_norm
+    return True

@@ -189,6 +189,7 @@ def grad_norm_worker(distributed_optimizer: bool):
     everything = [p.main_grad for m in actor.model for p in m.parameters()]
     out = {"step": step_norm, "fused": fused_grad_norm(grads, group),
            "megatron": float(get_grad_norm_fp32(grads, grad_stats_parallel_group=group)),
-           "all_params": fused_grad_norm(everything, group), "n_grads": len(grads), "n_params": len(everything)}
+           "all_params": fused_grad_norm(everything, group), "n_grads": len(grads), "n_params": len(everything),
+           "hooked": "get_grad_norm" in vars(opt)}
     actor.close()
     return out
