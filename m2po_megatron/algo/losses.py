@@ -29,7 +29,6 @@ import torch
 from dataclasses import dataclass
 
 from m2po_megatron.algo._layout import (
-    ValidTokens,
     as_bool_mask,
     check_same_shape,
     compute_dtype,
