@@ -24,9 +24,18 @@ from m2po_megatron.infra.device import device
 
 from . import checkpoint
 from .batch import TrainBatch
+from .grad_norm import use_fused_grad_norm
 from .fused_logprobs import output_layer_log_probs
-from .metrics import combine_updates, reduce_minibatch
-from .packing import MicroBatch, model_inputs, plan_microbatches, shard_for_dp, split_minibatches
+from .metrics import combine_updates, read_step_values, reduce_minibatch
+from .packing import (
+    MicroBatch,
+    model_inputs,
+    plan_microbatches,
+    row_multiple,
+    shard_for_dp,
+    split_minibatches,
+    to_device,
+)
 from .precision import probe_machine, resolve_precision
 
 log = logging.getLogger(__name__)
@@ -192,8 +201,8 @@ class MegatronActor:
             sequence_parallel=sequence_parallel, fp8=pr.fp8, fp8_recipe=pr.fp8_recipe, **recompute)
         chunks = build_model_chunks(self.spec, self.config, attention_backend=self.attention_backend)
         self.device = next(chunks[0].parameters()).device  # where every micro-batch input goes
-        # Row lengths must divide by TP for sequence parallelism.
-        self.pad_multiple = self.tp_size if self.config.sequence_parallel else 1
+        # Row lengths divide by TP for sequence parallelism, and by TE's FP8 GEMM rule (packing.row_multiple).
+        self.pad_multiple = row_multiple(self.tp_size, self.config.sequence_parallel, bool(pr.fp8), pr.fp8_recipe)
         # Pipeline stages exchange activations of a fixed shape: every micro-batch of a call is padded to
         # the longest row (megatron's variable_seq_lengths shape exchange mismatched micro-batches over
         # gloo in 0.19.2 here; fixed shapes also avoid one extra p2p per micro-batch).
@@ -222,6 +231,7 @@ class MegatronActor:
             **optim, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
             use_distributed_optimizer=self.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(self.opt_config, self.model)
+        use_fused_grad_norm(self.optimizer)  # one multi-tensor norm and one host read per update
         lr, min_lr, wd = optim["lr"], optim["min_lr"], optim["weight_decay"]
         decay_steps = int(lr_decay_steps or max(1, warmup_updates) + 1)
         self.scheduler = OptimizerParamScheduler(
@@ -305,29 +315,32 @@ class MegatronActor:
 
     def _forward_logps(self, batch: TrainBatch, shard: list[int], offs: list[int], with_entropy: bool):
         """Forward-only over `shard` of `batch`; returns [2, total_response_tokens] (log-prob, entropy) for
-        the whole batch, summed over DP and broadcast from the last stage (zeros where another shard)."""
-        out = torch.zeros(2, offs[-1], dtype=torch.float32)
+        the whole batch, summed over DP and broadcast from the last stage (zeros where another shard).
+        Each micro-batch's values stay on the device; they are placed with one index_copy after the schedule
+        and come to the host with one copy (_share)."""
+        out = torch.zeros(2, offs[-1], dtype=torch.float32, device=device())
         if shard:
             mbs = self._plan(batch, shard)
+            parts: list[torch.Tensor] = []
+            where: list[torch.Tensor] = []  # host: positions in `out` of each micro-batch's response tokens
 
             def loss_fn(mb, model_out):
                 lp, ent = self._token_logps(mb, model_out, with_entropy)
-                lp, ent = lp.float().cpu(), (ent.float().cpu() if ent is not None else None)
-                k = 0
-                for i, r in zip(mb.seq_index, mb.response_lens):
-                    out[0, offs[i]:offs[i] + r] = lp[k:k + r]
-                    if ent is not None:
-                        out[1, offs[i]:offs[i] + r] = ent[k:k + r]
-                    k += r
+                ent = ent.float() if ent is not None else torch.zeros_like(lp, dtype=torch.float32)
+                parts.append(torch.stack([lp.detach().float(), ent]))
+                where.extend(torch.arange(offs[i], offs[i] + r) for i, r in zip(mb.seq_index, mb.response_lens))
                 return model_out[0].new_zeros(()), {}
 
             self._eval_mode()
             self._run(mbs, loss_fn, forward_only=True)
+            if parts:  # the last pipeline stage
+                out.index_copy_(1, to_device(torch.cat(where), out.device), torch.cat(parts, 1))
         return self._share(out)
 
     def _share(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over DP (disjoint shards) on the last stage, then broadcast to every pipeline stage."""
-        t = t.to(device())
+        """Sum over DP (disjoint shards) on the last stage, then broadcast to every pipeline stage; the one
+        device-to-host copy of compute_log_probs."""
+        t = to_device(t, device())
         if self.is_last_stage and self.dp_size > 1:
             dist.all_reduce(t, group=self.dp_group)
         if self.pp_size > 1:
@@ -374,43 +387,51 @@ class MegatronActor:
         if use_global_mask:
             keep_masks, mask_stats = self._global_keep_masks(mb_batch, shard, mbs)
 
-        mb_metrics: list[dict] = []
-        extra = {"entropy_sum": 0.0}
+        # Per micro-batch everything stays on the device (loss stats with their NaN/inf counts, the entropy
+        # sum); it is read once after the schedule, and a non-finite input raises there, before
+        # optimizer.step (its tokens were left out of the loss, so the gradients stay finite until then).
+        stats: list = []
+        ent_sums: list[torch.Tensor] = []
 
         def loss_fn(mb: MicroBatch, model_out):
             logp, ent = self._token_logps(mb, model_out, with_entropy=True)
             dev = logp.device
-            behav = torch.cat([mb_batch.behav_log_probs[i] for i in mb.seq_index]).to(dev, torch.float32)
-            adv = torch.cat([mb_batch.token_advantages(i) for i in mb.seq_index]).to(dev)
-            seq_ids = torch.cat([torch.full((r,), k, dtype=torch.long)
-                                 for k, r in enumerate(mb.response_lens)]).to(dev)
+            host = torch.stack([torch.cat([mb_batch.behav_log_probs[i].float() for i in mb.seq_index]),
+                                torch.cat([mb_batch.token_advantages(i) for i in mb.seq_index])])
+            behav, adv = to_device(host, dev)
+            seq_ids = to_device(mb.response_seq_ids(), dev)
             mask = torch.ones_like(logp, dtype=torch.bool)
             kw = dict(self.loss_kwargs)
             if self.loss_name == "m2po":
                 if use_global_mask:
-                    kw["keep_mask"] = keep_masks[id(mb)].to(dev)
+                    kw["keep_mask"] = to_device(keep_masks[id(mb)], dev)
                 else:
                     kw.setdefault("tau", self.m2po_tau)
                     kw.setdefault("rule", self.m2po_rule)
-            loss, metrics = algo_losses.policy_loss(
-                self.loss_name, logp, behav, adv, mask, seq_ids=seq_ids, num_tokens=global_tokens,
-                num_seqs=global_seqs, **kw)
-            mb_metrics.append(metrics)
-            extra["entropy_sum"] += float(ent.sum())
+            loss, st = algo_losses.policy_loss_on_device(
+                self.loss_name, logp, behav, adv, mask, seq_ids=seq_ids, num_seq_ids=len(mb.seq_index),
+                num_tokens=global_tokens, num_seqs=global_seqs, **kw)
+            stats.append(st)
+            ent_sums.append(ent.sum().float())
             return loss * (n_local * self.dp_size), {}
 
         self._train_mode()
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._run(mbs, loss_fn, forward_only=False)
+        try:
+            self._run(mbs, loss_fn, forward_only=False)
+        except Exception:
+            read_step_values(stats, ent_sums)  # a NaN/inf input that broke the step: name it
+            raise
+        mb_metrics, entropy_sum = read_step_values(stats, ent_sums)  # raises on NaN/inf inputs
         lr_used = float(self.optimizer.param_groups[0]["lr"])
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
             self.updates_applied += 1
 
-        reduced = (reduce_minibatch(mb_metrics, extra["entropy_sum"], mask_stats, dp_group=self.dp_group)
+        reduced = (reduce_minibatch(mb_metrics, entropy_sum, mask_stats, dp_group=self.dp_group)
                    if self.is_last_stage else None)
         out = self._on_all_stages(reduced)
         out.update({
@@ -450,9 +471,11 @@ class MegatronActor:
             return {}, {}
         log_ratios, advs, masks = [], [], []
         for mb in mbs:
-            behav = torch.cat([mb_batch.behav_log_probs[i] for i in mb.seq_index]).to(cur[id(mb)].device)
-            log_ratios.append(cur[id(mb)] - behav.float())
-            advs.append(torch.cat([mb_batch.token_advantages(i) for i in mb.seq_index]).to(behav.device))
+            host = torch.stack([torch.cat([mb_batch.behav_log_probs[i].float() for i in mb.seq_index]),
+                                torch.cat([mb_batch.token_advantages(i) for i in mb.seq_index])])
+            behav, adv = to_device(host, cur[id(mb)].device)
+            log_ratios.append(cur[id(mb)] - behav)
+            advs.append(adv)
             masks.append(torch.ones_like(log_ratios[-1], dtype=torch.bool))
         res = algo_dist.global_m2po_keep_masks(log_ratios, advs, masks, tau=self.m2po_tau, rule=self.m2po_rule,
                                                scope="minibatch", group=self.dp_group)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .packing import to_device
+
 CHUNK_BYTES = 64 * 1024**2  # fp32 bytes of one chunk of logit rows
 
 
@@ -113,5 +115,5 @@ def token_log_probs(logits: torch.Tensor, positions: torch.Tensor, target: torch
         raise ValueError(f"logits must be [S, V/tp], got shape {tuple(logits.shape)}")
     if positions.shape != target.shape or positions.dim() != 1:
         raise ValueError(f"positions {tuple(positions.shape)} and target {tuple(target.shape)} must be equal 1-D")
-    return _TokenLogProbs.apply(logits, positions.to(logits.device, torch.long),
-                                target.to(logits.device, torch.long), tp_group, int(chunk_bytes))
+    return _TokenLogProbs.apply(logits, to_device(positions, logits.device).long(),
+                                to_device(target, logits.device).long(), tp_group, int(chunk_bytes))

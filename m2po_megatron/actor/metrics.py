@@ -4,12 +4,30 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from m2po_megatron.algo.distributed import all_reduce_partials
+from m2po_megatron.algo.losses import read_loss_stats
 from m2po_megatron.algo.metrics import from_partials, sum_partials
 
 # Step metrics summed over a step's updates (the rest are means over updates, except the keys below).
 _SUMMED = ("num_tokens", "num_seqs", "num_microbatches", "m2po_global/num_dropped", "m2po_global/num_trust_region",
            "count/tokens", "count/seqs")
+
+
+def read_step_values(stats: list, ent_sums: list[torch.Tensor]) -> tuple[list[dict], float]:
+    """The micro-batches' policy_loss metrics (from algo's LossStats) and the entropy sum of a mini-batch, with
+    one device read: the same floats as per-micro-batch reads gave. Raises ValueError naming an input that
+    held NaN or inf."""
+    if not stats:
+        return [], 0.0
+    rows = torch.cat([torch.stack([s.values for s in stats]),
+                      torch.stack(ent_sums).to(torch.float64).unsqueeze(1)], 1).tolist()
+    metrics = read_loss_stats(stats, rows)
+    entropy_sum = 0.0
+    for row in rows:  # in micro-batch order, as the per-micro-batch float() sums were
+        entropy_sum += row[-1]
+    return metrics, entropy_sum
 
 
 def reduce_minibatch(mb_metrics: list[dict], entropy_sum: float, mask_stats: dict, *, dp_group) -> dict:

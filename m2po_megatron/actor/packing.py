@@ -2,9 +2,10 @@
 
 Sequences are packed several to a row (one row = one micro-batch). Each sequence keeps its own position
 ids and sees only itself: through cu_seqlens (THD format, the "te" and "sdpa" attention backends) or a dense
-block-diagonal causal mask (the "local" backend), so the only padding is rounding a row up to a multiple of
-the tensor-parallel size (needed by sequence parallelism). `model_inputs` is the one place that puts a
-row on the model's device. Nothing here touches torch.distributed.
+block-diagonal causal mask (the "local" backend), so the only padding is rounding a row up to the multiple
+that sequence parallelism and FP8 need (`row_multiple`), at the row's end. `model_inputs` is the one place
+that puts a row on the model's device, and `to_device` the one way host tensors get there (non-blocking,
+from pinned memory on CUDA). Nothing here touches torch.distributed.
 """
 from __future__ import annotations
 
@@ -13,7 +14,51 @@ from typing import Sequence
 
 import torch
 
+from m2po_megatron.infra.device import has_cuda
+
 from .batch import TrainBatch
+
+# FP8 GEMMs in Transformer Engine: see row_multiple.
+FP8_TOKEN_MULTIPLE = 16
+MXFP8_TOKEN_MULTIPLE = 32
+
+
+def row_multiple(tensor_model_parallel_size: int = 1, sequence_parallel: bool = False, fp8: bool = False,
+                 fp8_recipe: str | None = None) -> int:
+    """The multiple every packed row length must be (the rounding build_microbatch pads to).
+
+    Sequence parallelism splits the row's tokens evenly over the TP ranks: a multiple of TP.
+
+    FP8 (Transformer Engine): every FP8 GEMM input is checked by TE's `assert_dim_for_fp8_exec`
+    (transformer_engine/pytorch/utils.py, called from Linear / LayerNormLinear / LayerNormMLP forward on the
+    rank's local input before any sequence-parallel all-gather): the product of all dims but the last must be
+    divisible by 8 and the last by 16. The leading product is the rank's token count (the row with SP off,
+    the row / TP with SP on); the weight-gradient GEMM takes the transposed input, where the tokens are the
+    last dim, so tokens are padded to 16, as megatron-core pads FP8 sequences
+    (models/multimodal/context_parallel.get_padding: 16, and 32 for MXFP8, whose quantizer
+    MXFP8Quantizer.is_quantizable wants both dims divisible by its 32-element scaling block). Hidden sizes
+    already divide by 16 in every supported model. Rows only: THD fused attention without context
+    parallelism needs no per-sequence padding (TE asks for per-sequence multiples of 2 * CP, and then
+    cu_seqlens_q_padded, only under context parallelism, which the actor refuses), and the trailing padding
+    is its own segment of cu_seqlens, so no sequence attends to it.
+    """
+    tp = max(1, int(tensor_model_parallel_size))
+    per_rank = 1
+    if fp8:
+        per_rank = MXFP8_TOKEN_MULTIPLE if fp8_recipe == "mxfp8" else FP8_TOKEN_MULTIPLE
+    return (tp if sequence_parallel else 1) * per_rank
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device` without blocking the host: a host tensor goes through pinned memory where CUDA is
+    present (a pageable source makes the copy synchronous), then a non-blocking copy; a no-op when `t` is
+    already there (every CPU run)."""
+    dev = torch.device(device)
+    if t.device == dev:
+        return t
+    if has_cuda() and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(dev, non_blocking=True)
 
 
 def split_minibatches(n: int, num_minibatches: int) -> list[list[int]]:
@@ -100,6 +145,12 @@ class MicroBatch:
     def response_lens(self) -> list[int]:
         return [n - p for n, p in zip(self.lengths, self.prompt_lens)]
 
+    def response_seq_ids(self) -> torch.Tensor:
+        """[R] long host tensor: 0..k-1, the row's sequence of each response token (dense ids, as the loss
+        takes them with num_seq_ids=k)."""
+        rl = self.response_lens
+        return torch.repeat_interleave(torch.arange(len(rl)), torch.tensor(rl), output_size=sum(rl))
+
     @property
     def seq_len(self) -> int:
         return int(self.tokens.shape[1])
@@ -126,14 +177,18 @@ class MicroBatch:
         keep |= torch.eye(s, dtype=torch.bool)  # padding rows attend to themselves (no NaN rows)
         return (~keep).view(1, 1, s, s)
 
-    def cu_seqlens(self) -> torch.Tensor:
-        """Cumulative sequence boundaries for THD attention; trailing padding is its own segment."""
+    def cu_bounds(self) -> list[int]:
+        """Cumulative sequence boundaries (host ints); trailing padding is its own segment."""
         bounds = [0]
         for n in self.lengths:
             bounds.append(bounds[-1] + n)
         if bounds[-1] < self.seq_len:
             bounds.append(self.seq_len)
-        return torch.tensor(bounds, dtype=torch.int32)
+        return bounds
+
+    def cu_seqlens(self) -> torch.Tensor:
+        """Cumulative sequence boundaries for THD attention (int32 host tensor); see cu_bounds."""
+        return torch.tensor(self.cu_bounds(), dtype=torch.int32)
 
 
 def build_microbatch(batch: TrainBatch, indices: Sequence[int], pad_multiple: int = 1) -> MicroBatch:
@@ -168,9 +223,9 @@ def model_inputs(mb: MicroBatch, device, attention_backend: str) -> dict:
     here once per micro-batch, so no layer reads cu_seqlens on the host. "local": the dense [1, 1, S, S]
     mask (True = masked). Every backend takes RoPE from position_ids (models.rope)."""
     dev = torch.device(device)
-    out = {"input_ids": mb.tokens.to(dev), "position_ids": mb.position_ids.to(dev)}
+    out = {"input_ids": to_device(mb.tokens, dev), "position_ids": to_device(mb.position_ids, dev)}
     if attention_backend == "local":
-        out.update(attention_mask=mb.attention_mask().to(dev), packed_seq_params=None)
+        out.update(attention_mask=to_device(mb.attention_mask(), dev), packed_seq_params=None)
         return out
     if attention_backend not in ("te", "sdpa"):
         raise ValueError(f"attention_backend={attention_backend!r}: use 'te', 'sdpa' or 'local'")
@@ -179,15 +234,11 @@ def model_inputs(mb: MicroBatch, device, attention_backend: str) -> dict:
 
     from m2po_megatron.models.attention import packed_row
 
-    bounds = [0]
-    for n in mb.lengths:
-        bounds.append(bounds[-1] + n)
-    if bounds[-1] < mb.seq_len:
-        bounds.append(mb.seq_len)  # trailing padding: a sequence of its own (as in MicroBatch.cu_seqlens)
+    bounds = mb.cu_bounds()  # host ints; trailing padding is a sequence of its own
     thd = None
     if attention_backend == "te":
-        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-        cu = mb.cu_seqlens().to(dev)
+        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        cu = to_device(torch.tensor(bounds, dtype=torch.int32), dev)
         thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                               max_seqlen_kv=longest)
     out.update(attention_mask=None, packed_seq_params=packed_row(bounds, dev, thd=thd))
@@ -199,7 +250,7 @@ def plan_microbatches(
     batch: TrainBatch, indices: Sequence[int], max_tokens: int, pad_multiple: int = 1
 ) -> list[MicroBatch]:
     """Pack the sequences `indices` of `batch` into micro-batches of at most max_tokens tokens
-    (a row may exceed max_tokens only by the rounding to pad_multiple)."""
+    (a row may exceed max_tokens only by the rounding to pad_multiple, see row_multiple)."""
     lens = [int(batch.input_ids[i].numel()) for i in indices]
     bins = pack_by_token_budget(lens, max_tokens)
     return [build_microbatch(batch, [indices[j] for j in b], pad_multiple) for b in bins]

@@ -13,8 +13,8 @@ from m2po_megatron.algo.distributed import (
     global_m2po_keep_masks,
     global_token_counts,
 )
-from m2po_megatron.algo.losses import AGG_MODES, LOSSES, policy_loss
-from m2po_megatron.algo.mask import RULES, keep_trust_region_values, m2po_keep_mask, trust_region
+from m2po_megatron.algo.losses import AGG_MODES, LOSSES, LossStats, policy_loss, policy_loss_on_device, read_loss_stats
+from m2po_megatron.algo.mask import RULES, keep_trust_region, keep_trust_region_values, m2po_keep_mask, trust_region
 from m2po_megatron.algo.metrics import from_partials, reduce_metrics, sum_partials, to_partials
 
 __all__ = [
@@ -22,15 +22,19 @@ __all__ = [
     "LOSSES",
     "RULES",
     "GlobalM2POMask",
+    "LossStats",
     "all_reduce_metrics",
     "all_reduce_partials",
     "from_partials",
     "global_m2po_keep_masks",
     "global_token_counts",
     "grpo_advantages",
+    "keep_trust_region",
     "keep_trust_region_values",
     "m2po_keep_mask",
     "policy_loss",
+    "policy_loss_on_device",
+    "read_loss_stats",
     "reduce_metrics",
     "seq_ids_from_cu_seqlens",
     "sum_partials",

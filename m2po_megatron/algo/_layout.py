@@ -5,7 +5,10 @@ Callers may pass either layout:
   - flat:   1-D tensors of shape [N] plus an [N] mask and `seq_ids` [N] (integers; tokens of one sequence
             share an id; ids need not be contiguous or sorted). `seq_ids_from_cu_seqlens` converts
             packed-sequence offsets to ids.
-Both are reduced to the valid tokens in row-major order (the order used everywhere for tie-breaking).
+Both are reduced to one flat valid mask in row-major order (the order used everywhere for tie-breaking) with
+dense sequence ids; invalid positions stay in place and are masked with `where`, so the per-call math has
+no data-dependent shapes and no host syncs (a flat caller that knows its sequences passes dense ids and
+num_seq_ids; otherwise torch.unique makes them dense, one sync).
 """
 
 from __future__ import annotations
@@ -43,17 +46,26 @@ def check_same_shape(ref_name: str, ref: Tensor, **others: Tensor | None) -> Non
             )
 
 
-def check_finite(where: str, mask: Tensor, **tensors: Tensor) -> None:
-    """Raise naming the tensor if any *valid* position holds NaN or inf (one host sync per tensor)."""
-    for name, t in tensors.items():
-        bad = ~torch.isfinite(t) & mask
-        n_bad = int(bad.sum())
+def nonfinite_counts(mask: Tensor, *tensors: Tensor) -> Tensor:
+    """[len(tensors)] int64 on the device: valid positions holding NaN or inf, per tensor. No host sync; read
+    it together with other device values (raise_nonfinite) or through check_finite."""
+    return torch.stack([(~torch.isfinite(t) & mask).sum() for t in tensors])
+
+
+def raise_nonfinite(where: str, names, counts) -> None:
+    """Raise naming the first tensor whose host count (from nonfinite_counts) is non-zero, and the fix."""
+    for name, n_bad in zip(names, counts):
         if n_bad:
-            first = tuple(int(i) for i in bad.nonzero()[0])
             raise ValueError(
-                f"{where}: {name} contains NaN or inf at {n_bad} valid token(s) (first at index {first}); "
+                f"{where}: {name} contains NaN or inf at {int(n_bad)} valid token(s); "
                 f"check the forward pass that produced {name} or mask those tokens out"
             )
+
+
+def check_finite(where: str, mask: Tensor, **tensors: Tensor) -> None:
+    """Raise naming the tensor if any *valid* position holds NaN or inf (one host sync for all tensors)."""
+    if tensors:
+        raise_nonfinite(where, list(tensors), nonfinite_counts(mask, *tensors.values()).tolist())
 
 
 def seq_ids_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
@@ -68,41 +80,59 @@ def seq_ids_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
 
 @dataclass
 class ValidTokens:
-    """Index of the valid tokens of one call, in row-major order, and their sequence membership."""
+    """The valid tokens of one call as a flat mask over the caller's positions (row-major order), and their
+    sequence membership as dense ids. Reductions multiply or `where` by `valid` instead of gathering the valid
+    positions, so no shape depends on the data and nothing here reads the device."""
 
-    index: Tensor  # [n] long: flat positions of valid tokens in the caller's tensors
-    seq: Tensor  # [n] long: 0..num_seqs-1, sequences that have at least one valid token
-    num_seqs: int
+    valid: Tensor  # [N] bool: valid positions of the caller's tensors, flattened
+    seq: Tensor | None  # [N] long in 0..num_ids-1 (any id on invalid positions); None: sequences unknown
+    num_ids: int  # size of the id space (-1 when sequences are unknown)
     shape: tuple[int, ...]
 
     def take(self, t: Tensor) -> Tensor:
-        """Valid entries of a tensor in the caller's layout (differentiable)."""
-        return t.reshape(-1)[self.index]
+        """A tensor in the caller's layout, flattened like `valid` (differentiable; invalid entries stay)."""
+        return t.reshape(-1)
+
+    @property
+    def known_seqs(self) -> bool:
+        return self.seq is not None
+
+    def seq_sum(self, x: Tensor) -> Tensor:
+        """[num_ids] per-sequence sums of x [N] (x must be zero on invalid positions)."""
+        return torch.zeros(self.num_ids, dtype=x.dtype, device=x.device).index_add(0, self.seq, x)
+
+    def seq_counts(self) -> Tensor:
+        """[num_ids] valid tokens per sequence id (float64)."""
+        return self.seq_sum(self.valid.to(torch.float64))
+
+    def num_seqs(self) -> Tensor:
+        """Sequences with at least one valid token (0-d long on the device)."""
+        return (self.seq_counts() > 0).sum()
 
 
-def valid_tokens(mask: Tensor, seq_ids: Tensor | None, where: str) -> ValidTokens:
-    """Resolve the layout (padded [B, T] or flat [N] + seq_ids) to the list of valid tokens."""
+def valid_tokens(mask: Tensor, seq_ids: Tensor | None, where: str, num_seq_ids: int | None = None) -> ValidTokens:
+    """Resolve the layout (padded [B, T] or flat [N] + seq_ids) to the flat valid mask and dense sequence ids.
+
+    num_seq_ids: flat inputs whose seq_ids are already dense, 0..num_seq_ids-1 (e.g. built on the host from
+    known sequence lengths). Without it, arbitrary ids are made dense with torch.unique, which reads the
+    device (one host sync)."""
     if mask.dim() == 2:
         if seq_ids is not None:
             raise ValueError(f"{where}: seq_ids is only for flat 1-D inputs; padded [B, T] rows are sequences")
-        index = mask.reshape(-1).nonzero().squeeze(-1)
-        row = torch.div(index, mask.shape[1], rounding_mode="floor")
-    elif mask.dim() == 1:
-        index = mask.nonzero().squeeze(-1)
-        if seq_ids is None:
-            row = None
-        else:
-            if tuple(seq_ids.shape) != tuple(mask.shape):
-                raise ValueError(f"{where}: seq_ids has shape {tuple(seq_ids.shape)}, mask {tuple(mask.shape)}")
-            if seq_ids.dtype.is_floating_point or seq_ids.dtype == torch.bool:
-                raise TypeError(f"{where}: seq_ids must be an integer tensor, got {seq_ids.dtype}")
-            row = seq_ids[index]
-    else:
+        b, t = mask.shape
+        seq = torch.arange(b, device=mask.device).unsqueeze(1).expand(b, t).reshape(-1)
+        return ValidTokens(valid=mask.reshape(-1), seq=seq, num_ids=b, shape=tuple(mask.shape))
+    if mask.dim() != 1:
         raise ValueError(f"{where}: expected padded [B, T] or flat [N] tensors, got mask of shape {tuple(mask.shape)}")
-    if row is None:
-        seq = torch.full_like(index, -1)
-        num_seqs = -1  # unknown: sequence-level ops will ask for seq_ids
-    else:
-        uniq, seq = torch.unique(row, sorted=True, return_inverse=True)
-        num_seqs = int(uniq.numel())
-    return ValidTokens(index=index, seq=seq, num_seqs=num_seqs, shape=tuple(mask.shape))
+    if seq_ids is None:
+        return ValidTokens(valid=mask, seq=None, num_ids=-1, shape=tuple(mask.shape))
+    if tuple(seq_ids.shape) != tuple(mask.shape):
+        raise ValueError(f"{where}: seq_ids has shape {tuple(seq_ids.shape)}, mask {tuple(mask.shape)}")
+    if seq_ids.dtype.is_floating_point or seq_ids.dtype == torch.bool:
+        raise TypeError(f"{where}: seq_ids must be an integer tensor, got {seq_ids.dtype}")
+    if num_seq_ids is not None:
+        if num_seq_ids < 0:
+            raise ValueError(f"{where}: num_seq_ids={num_seq_ids} must be >= 0 (the number of dense sequence ids)")
+        return ValidTokens(valid=mask, seq=seq_ids.long(), num_ids=int(num_seq_ids), shape=tuple(mask.shape))
+    uniq, seq = torch.unique(seq_ids, sorted=True, return_inverse=True)
+    return ValidTokens(valid=mask, seq=seq, num_ids=int(uniq.numel()), shape=tuple(mask.shape))

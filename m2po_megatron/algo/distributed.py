@@ -26,15 +26,20 @@ Communication per call (P ranks in the group, |T_r| trust-region tokens on rank 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from m2po_megatron.algo._layout import as_bool_mask, check_finite, check_same_shape, valid_tokens
-from m2po_megatron.algo.mask import check_tau_rule, keep_trust_region_values, trust_region
+from m2po_megatron.algo._layout import (
+    as_bool_mask,
+    check_same_shape,
+    nonfinite_counts,
+    raise_nonfinite,
+    valid_tokens,
+)
+from m2po_megatron.algo.mask import check_tau_rule, keep_trust_region, keep_trust_region_values, trust_region
 from m2po_megatron.algo.metrics import from_partials, to_partials
 
 Tensor = torch.Tensor
@@ -84,19 +89,50 @@ def _all_gather(t: Tensor, group, world: int) -> list[Tensor]:
 
 
 def _local(log_ratios, advantages, masks, seq_ids):
-    """Per micro-batch: bool mask, trust-region flat index, its log-ratios (float64), counts."""
-    parts = []
+    """This rank's micro-batches, flattened and concatenated in order: (bool masks per micro-batch, log-ratios,
+    trust-region flags, sizes, device counters [valid tokens, sequences or -1, NaN/inf log-ratios,
+    NaN/inf advantages]). Nothing here reads the device."""
+    ms, lrs, trs, tok, seqs, bad = [], [], [], [], [], []
     for i, (lr, adv, m, sid) in enumerate(zip(log_ratios, advantages, masks, seq_ids)):
         m = as_bool_mask(m, f"masks[{i}]")
         check_same_shape(f"log_ratios[{i}]", lr, **{f"advantages[{i}]": adv, f"masks[{i}]": m})
-        check_finite("global_m2po_keep_masks", m, **{f"log_ratios[{i}]": lr, f"advantages[{i}]": adv})
+        bad.append(nonfinite_counts(m, lr, adv))
         lr = lr.detach()
-        tr = trust_region(lr, adv.detach(), m).reshape(-1)
-        idx = tr.nonzero().squeeze(-1)
-        vals = lr.reshape(-1)[idx].to(torch.float64)
-        n_seqs = valid_tokens(m, sid, "global_m2po_keep_masks").num_seqs
-        parts.append((m, idx, vals, int(m.sum()), n_seqs))
-    return parts
+        ok = m & torch.isfinite(lr) & torch.isfinite(adv)  # non-finite tokens stay off T until the raise
+        ms.append(m)
+        lrs.append(torch.where(ok, lr, torch.zeros_like(lr)).reshape(-1).to(torch.float64))
+        trs.append(trust_region(lr, adv.detach(), ok).reshape(-1))
+        tok.append(m.sum())
+        vt = valid_tokens(m, sid, "global_m2po_keep_masks")
+        seqs.append(vt.num_seqs() if vt.known_seqs else None)
+    dev = lrs[0].device
+    n_seqs = (torch.full((), -1.0, dtype=torch.float64, device=dev) if any(x is None for x in seqs)
+              else torch.stack(seqs).sum().to(torch.float64))
+    bad_t = torch.stack(bad).sum(0).to(torch.float64)
+    counters = torch.stack([torch.stack(tok).sum().to(torch.float64), n_seqs, bad_t[0], bad_t[1]])
+    return ms, lrs, trs, [t.numel() for t in lrs], counters, bad
+
+
+def _flag_positions(flags: Tensor, count: int) -> Tensor:
+    """Positions of the True entries of `flags`, in order, given their number (known on the host): nonzero
+    without its device read. Each flagged position goes to its rank among the flagged (a cumulative sum);
+    the rest go to a spare slot that is dropped."""
+    rank = torch.cumsum(flags, 0) - 1
+    out = torch.zeros(count + 1, dtype=torch.long, device=flags.device)
+    slot = torch.where(flags, rank, torch.full_like(rank, count))
+    return out.scatter_(0, slot, torch.arange(flags.numel(), device=flags.device))[:count]
+
+
+def _raise_nonfinite(table, bad, world):
+    """After the first gather: every rank raises if any rank saw NaN/inf, naming the tensor where it can."""
+    if not any(row[-1] > 0 or row[-2] > 0 for row in table):
+        return
+    for i, counts in enumerate(torch.stack(bad).tolist()):  # error path only: read this rank's details
+        raise_nonfinite("global_m2po_keep_masks", (f"log_ratios[{i}]", f"advantages[{i}]"), counts)
+    ranks = [r for r in range(world) if table[r][-1] > 0 or table[r][-2] > 0]
+    raise ValueError(f"global_m2po_keep_masks: data-parallel rank(s) {ranks} hold NaN or inf log-ratios or "
+                     "advantages on valid tokens (their error names the micro-batch); fix the forward pass or "
+                     "mask those tokens out")
 
 
 @torch.no_grad()
@@ -127,6 +163,9 @@ def global_m2po_keep_masks(
         GlobalM2POMask: per-micro-batch keep masks and the global denominators/diagnostics. With scope
         "minibatch" the masks equal m2po_keep_mask over the concatenation of all micro-batches of all ranks
         (row-major valid tokens, micro-batches in order, ranks in group-rank order), ties included.
+
+    Host syncs: one read of the gathered counters per call, however many micro-batches (the per-micro-batch
+    work reads nothing). Raises ValueError on every rank if any rank holds NaN/inf on a valid token.
     """
     check_tau_rule(tau, rule)
     if scope not in SCOPES:
@@ -138,40 +177,33 @@ def global_m2po_keep_masks(
     if len(seq_ids) != len(masks):
         raise ValueError("seq_ids must have one entry per micro-batch")
     world = _world(group)
-    parts = _local(log_ratios, advantages, masks, seq_ids)
-    dev = log_ratios[0].device
+    ms, lrs, trs, sizes, counters, bad = _local(log_ratios, advantages, masks, seq_ids)
+    dev = lrs[0].device
+    lr_all, tr_all = torch.cat(lrs), torch.cat(trs)
+    v_all = lr_all.square()
 
-    keeps_local = []
     if scope == "microbatch":
-        for _, _, vals, _, _ in parts:
-            keeps_local.append(keep_trust_region_values(vals, tau, rule))
-    v_all = torch.cat([p[2] for p in parts]).square()
-    k_all = torch.cat(keeps_local) if keeps_local else None
-    n_t = v_all.numel()
-    counters = torch.tensor(
-        [
-            n_t,
-            sum(p[3] for p in parts),
-            -1.0 if any(p[4] < 0 for p in parts) else sum(p[4] for p in parts),
-            float(v_all.sum()) if k_all is not None else 0.0,
-            float((v_all * k_all).sum()) if k_all is not None else 0.0,
-            float(k_all.sum()) if k_all is not None else 0.0,
-        ],
-        dtype=torch.float64,
-        device=dev,
-    )
-    table = torch.stack(_all_gather(counters, group, world)).cpu()  # collective 1
-    n_tr = [int(x) for x in table[:, 0].tolist()]
-    num_tokens = int(table[:, 1].sum())
-    num_seqs = -1 if bool((table[:, 2] < 0).any()) else int(table[:, 2].sum())
+        keep_all = torch.cat([keep_trust_region(lr, tr, tau, rule) for lr, tr in zip(lrs, trs)])
+        kept = tr_all & keep_all
+        sums = torch.stack([(v_all * tr_all).sum(), (v_all * kept).sum(), kept.sum().to(torch.float64)])
+    else:
+        sums = torch.zeros(3, dtype=torch.float64, device=dev)
+    counters = torch.cat([tr_all.sum().to(torch.float64).reshape(1), counters[:2], sums, counters[2:]])
+    table = torch.stack(_all_gather(counters, group, world)).tolist()  # collective 1; the one host read
+    _raise_nonfinite(table, bad, world)
+    n_tr = [int(row[0]) for row in table]
+    num_tokens = int(sum(row[1] for row in table))
+    num_seqs = -1 if any(row[2] < 0 for row in table) else int(sum(row[2] for row in table))
     total_t = sum(n_tr)
 
     if scope == "microbatch":
-        sum_before, sum_after, n_kept = (float(x) for x in table[:, 3:6].sum(0).tolist())
+        sum_before, sum_after, n_kept = (sum(row[c] for row in table) for c in (3, 4, 5))
     else:
         me = dist.get_rank(group) if world > 1 else 0
+        n_t = n_tr[me]
+        t_pos = _flag_positions(tr_all, n_t)
+        local_vals = lr_all[t_pos]
         max_t = max(n_tr)
-        local_vals = torch.cat([p[2] for p in parts])
         if world > 1 and max_t > 0:  # collective 2: only the trust-region log-ratios
             padded = torch.zeros(max_t, dtype=torch.float64, device=dev)
             padded[:n_t] = local_vals
@@ -181,17 +213,13 @@ def global_m2po_keep_masks(
             global_vals = local_vals
         keep_global = keep_trust_region_values(global_vals, tau, rule)
         v = global_vals.square()
-        sum_before, sum_after = float(v.sum()), float((v * keep_global).sum())
-        n_kept = float(keep_global.sum())
+        sum_before, sum_after, n_kept = torch.stack(
+            [v.sum(), (v * keep_global).sum(), keep_global.sum().to(torch.float64)]).tolist()
         offset = sum(n_tr[:me])
-        mine = keep_global[offset:offset + n_t]
-        keeps_local = list(torch.split(mine, [p[2].numel() for p in parts]))
+        keep_all = torch.ones_like(tr_all)
+        keep_all[t_pos] = keep_global[offset:offset + n_t]
 
-    keep_masks = []
-    for (m, idx, _, _, _), k in zip(parts, keeps_local):
-        keep = m.reshape(-1).clone()
-        keep[idx] = k.to(keep.device)
-        keep_masks.append(keep.reshape(m.shape))
+    keep_masks = [(m.reshape(-1) & k).reshape(m.shape) for m, k in zip(ms, torch.split(keep_all, sizes))]
     return GlobalM2POMask(
         keep_masks=keep_masks,
         num_tokens=num_tokens,
@@ -212,22 +240,26 @@ def _device_for(group) -> torch.device:
 @torch.no_grad()
 def global_token_counts(masks: Tensor | Sequence[Tensor], *, group=None,
                         seq_ids: Tensor | Sequence[Tensor] | None = None) -> tuple[int, int]:
-    """(num_tokens, num_seqs) over all micro-batches and the group's ranks: one all_reduce of 2 numbers.
+    """(num_tokens, num_seqs) over all micro-batches and the group's ranks: one all_reduce of 2 numbers and
+    one host read.
     Use as policy_loss denominators for losses that need no M2PO mask (grpo, grpo_notr, gspo)."""
     masks = _as_list(masks)
     seq_ids = _as_list(seq_ids, len(masks))
     world = _world(group)
-    n_tok, n_seq = 0, 0
+    toks, seqs = [], []
     for i, (m, sid) in enumerate(zip(masks, seq_ids)):
         m = as_bool_mask(m, f"masks[{i}]")
-        n_tok += int(m.sum())
-        s = valid_tokens(m, sid, "global_token_counts").num_seqs
-        n_seq = -math.inf if s < 0 else n_seq + s
-    if world == 1:
-        return n_tok, (-1 if n_seq < 0 else int(n_seq))
-    t = torch.tensor([n_tok, max(n_seq, -1e18)], dtype=torch.float64, device=_device_for(group))
-    dist.all_reduce(t, group=group)
-    tok, seq = t.tolist()
+        toks.append(m.sum().to(torch.float64))
+        vt = valid_tokens(m, sid, "global_token_counts")
+        seqs.append(vt.num_seqs().to(torch.float64) if vt.known_seqs else None)
+    dev = _device_for(group) if world > 1 else (toks[0].device if toks else torch.device("cpu"))
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    n_seq = (torch.full((), -1e18, dtype=torch.float64, device=dev) if any(x is None for x in seqs)
+             else sum((x.to(dev) for x in seqs), zero))
+    t = torch.stack([sum((x.to(dev) for x in toks), zero), n_seq])
+    if world > 1:
+        dist.all_reduce(t, group=group)
+    tok, seq = t.tolist()  # the one host read
     return int(tok), (-1 if seq < 0 else int(seq))
 
 

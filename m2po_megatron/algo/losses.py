@@ -11,6 +11,13 @@ Every loss is a surrogate whose gradient with respect to log_prob on an *active*
     which bounds the large-ratio negative tokens that lie outside T (see docs/algo.md).
 The active set is decided on detached values first and exp() is only evaluated on active tokens, so a
 huge ratio on an inactive token cannot turn the gradient into NaN (0 * inf).
+
+Host syncs: policy_loss_on_device computes the loss and every metric without reading the device (masks by
+`where`, no gathering of valid positions; denominators given by the caller) and returns the metrics as one
+device vector, LossStats, together with the count of NaN/inf inputs; a trainer keeps those per micro-batch and
+reads them all once per optimizer update (read_loss_stats), which also raises on non-finite inputs. Tokens
+with a non-finite input are left out of the loss, so its gradient stays finite until that read raises.
+policy_loss is the same computation read at once.
 """
 
 from __future__ import annotations
@@ -19,15 +26,17 @@ import math
 
 import torch
 
+from dataclasses import dataclass
+
 from m2po_megatron.algo._layout import (
-    ValidTokens,
     as_bool_mask,
-    check_finite,
     check_same_shape,
     compute_dtype,
+    nonfinite_counts,
+    raise_nonfinite,
     valid_tokens,
 )
-from m2po_megatron.algo.mask import check_tau_rule, keep_trust_region_values
+from m2po_megatron.algo.mask import check_tau_rule, keep_trust_region
 
 Tensor = torch.Tensor
 
@@ -37,15 +46,52 @@ DEFAULT_EPS = {"grpo": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (eps_low, eps_high)
 DEFAULT_AGG = {"m2po": "token-mean", "grpo": "token-mean", "grpo_notr": "token-mean", "gspo": "seq-mean-token-mean"}
 
 
-def _denominator(given, local: int, what: str, arg: str) -> float:
+_CHECKED = ("log_prob", "behav_log_prob", "advantages")
+# The device vector of LossStats: these sums and counts, then the non-finite counts of _CHECKED.
+_STATS = ("loss", "sum_v_tr", "n_tr", "sum_v_kept", "n_kept", "n_masked", "n_clip", "n_dual", "ratio_sum",
+          "ratio_min", "ratio_max", "k1_sum", "k3_sum", "n_tokens", "n_seqs")
+
+
+@dataclass
+class LossStats:
+    """policy_loss's metrics still on the device: `values` [len(_STATS) + 3] float64 (see _STATS, then the
+    non-finite counts of log_prob, behav_log_prob, advantages). Read with read_loss_stats."""
+
+    values: Tensor
+    where: str
+    has_seqs: bool
+
+
+def read_loss_stats(stats: list[LossStats], rows: list[list[float]] | None = None) -> list[dict[str, float]]:
+    """The metric dicts of several LossStats with one device read; raises ValueError naming the first tensor
+    that held NaN or inf on a valid token. `rows`: the values already read by the caller (one list per
+    LossStats, starting with its values; extra trailing entries are the caller's)."""
+    if not stats:
+        return []
+    if rows is None:
+        rows = torch.stack([s.values for s in stats]).tolist()
+    for s, row in zip(stats, rows):
+        raise_nonfinite(s.where, _CHECKED, row[len(_STATS):len(_STATS) + len(_CHECKED)])
+    return [_metrics_from_row(row, s.has_seqs) for s, row in zip(stats, rows)]
+
+
+def _denominator(given, local: Tensor, what: str, arg: str):
+    """The given count (a float), or this call's own count (a device tensor) when None."""
     if given is None:
-        return float(local)
+        return local.to(torch.float64)
     value = float(given.item()) if isinstance(given, Tensor) else float(given)
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{arg} must be a finite count >= 0, got {given!r}")
-    if value == 0 and local > 0:
-        raise ValueError(f"{arg}=0 but this call has {local} {what}; pass the global count over the mini-batch")
+    if value == 0 and int(local) > 0:  # reads the device, only for a zero denominator
+        raise ValueError(f"{arg}=0 but this call has {int(local)} {what}; pass the global count over the mini-batch")
     return value
+
+
+def _divide(total: Tensor, denom) -> Tensor:
+    if isinstance(denom, Tensor):
+        ok = denom > 0
+        return torch.where(ok, total / torch.where(ok, denom, torch.ones_like(denom)).to(total.dtype), total * 0.0)
+    return total / denom if denom > 0 else total * 0.0
 
 
 def _surrogate(lr, A, keep, eps, dual_clip):
@@ -73,27 +119,13 @@ def _surrogate(lr, A, keep, eps, dual_clip):
     return tok, clipped, dual
 
 
-def _seq_sum(x: Tensor, vt: ValidTokens) -> Tensor:
-    return torch.zeros(vt.num_seqs, dtype=x.dtype, device=x.device).index_add(0, vt.seq, x)
-
-
 def policy_loss(
     name: str,
     log_prob: Tensor,
     behav_log_prob: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    *,
-    seq_ids: Tensor | None = None,
-    loss_agg_mode: str | None = None,
-    num_tokens: int | float | Tensor | None = None,
-    num_seqs: int | float | Tensor | None = None,
-    keep_mask: Tensor | None = None,
-    tau: float = 0.04,
-    rule: str = "remove",
-    eps_low: float | None = None,
-    eps_high: float | None = None,
-    dual_clip: float | None = None,
+    **kwargs,
 ) -> tuple[Tensor, dict[str, float]]:
     """Loss to minimise (a 0-d tensor with grad through log_prob) and float metrics for logging.
 
@@ -104,6 +136,8 @@ def policy_loss(
         advantages: per-token advantages of the same shape; for padded inputs [B, 1] is broadcast.
         mask: valid tokens (bool or 0/1), same shape as log_prob.
         seq_ids: flat inputs only: integer sequence id per token [N]; needed for gspo and seq-mean modes.
+        num_seq_ids: flat inputs whose seq_ids are dense, 0..num_seq_ids-1 (built on the host from known
+            lengths): saves the torch.unique that makes arbitrary ids dense (a host sync).
         loss_agg_mode: "token-mean" (sum over valid tokens / num_tokens; the paper's; masked tokens stay in
             the denominator), "seq-mean-token-mean" or "seq-mean-token-sum" (/ num_seqs). Default:
             token-mean, and seq-mean-token-mean for gspo.
@@ -126,8 +160,35 @@ def policy_loss(
         estimate KL(pi_behav || pi_theta) from the behaviour samples: k1 = -log r, k3 = r - 1 - log r.
         M2 diagnostics are reported for every loss (for non-m2po losses nothing is masked). Combine the
         dicts of several micro-batches with metrics.reduce_metrics, of several ranks with
-        distributed.all_reduce_metrics.
+        distributed.all_reduce_metrics. Raises ValueError naming the tensor if a valid token holds NaN or inf.
+        Reads the device once (the metrics); policy_loss_on_device does not read it at all.
     """
+    loss, stats = policy_loss_on_device(name, log_prob, behav_log_prob, advantages, mask, **kwargs)
+    return loss, read_loss_stats([stats])[0]
+
+
+def policy_loss_on_device(
+    name: str,
+    log_prob: Tensor,
+    behav_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    seq_ids: Tensor | None = None,
+    num_seq_ids: int | None = None,
+    loss_agg_mode: str | None = None,
+    num_tokens: int | float | Tensor | None = None,
+    num_seqs: int | float | Tensor | None = None,
+    keep_mask: Tensor | None = None,
+    tau: float = 0.04,
+    rule: str = "remove",
+    eps_low: float | None = None,
+    eps_high: float | None = None,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, LossStats]:
+    """policy_loss without reading the device: (loss, LossStats). Arguments as policy_loss. Non-finite inputs
+    on valid tokens do not raise here: those tokens are left out of the loss and counted in the stats, and
+    read_loss_stats raises."""
     where = f"policy_loss({name!r})"
     if name not in LOSSES:
         raise ValueError(f"name must be one of {LOSSES}, got {name!r}")
@@ -160,72 +221,84 @@ def policy_loss(
         )
     check_same_shape("log_prob", log_prob, behav_log_prob=behav_log_prob, advantages=advantages, mask=mask,
                      keep_mask=keep_mask)
-    check_finite(where, mask, log_prob=log_prob.detach(), behav_log_prob=behav_log_prob, advantages=advantages)
 
-    vt = valid_tokens(mask, seq_ids, where)
+    vt = valid_tokens(mask, seq_ids, where, num_seq_ids)
     needs_seqs = name == "gspo" or agg != "token-mean"
-    if needs_seqs and vt.num_seqs < 0:
+    if needs_seqs and not vt.known_seqs:
         raise ValueError(f"{where}: flat inputs need seq_ids for gspo and seq-mean aggregation (loss_agg_mode={agg!r})")
     dtype = compute_dtype(log_prob, behav_log_prob)
     lp = vt.take(log_prob).to(dtype)
     blp = vt.take(behav_log_prob).detach().to(dtype)
     A = vt.take(advantages).detach().to(dtype)
-    lr = lp - blp
+    bad = nonfinite_counts(vt.valid, lp.detach(), blp, A)
+    # Tokens with a non-finite input leave the loss (read_loss_stats raises on them); every other invalid
+    # position is zeroed, so it is off T, inactive, and adds exactly 0 to every sum.
+    valid = vt.valid & torch.isfinite(lp.detach()) & torch.isfinite(blp) & torch.isfinite(A)
+    zero = torch.zeros((), dtype=dtype, device=lp.device)
+    lr = torch.where(valid, lp, zero) - torch.where(valid, blp, zero)
+    A = torch.where(valid, A, zero)
     lr_d = lr.detach()
-    n = lr.numel()
+    n = valid.sum()
 
     tr = ((A > 0) & (lr_d > 0)) | ((A < 0) & (lr_d < 0))
     if name == "m2po":
         if keep_mask is not None:
             keep = vt.take(as_bool_mask(keep_mask, "keep_mask"))
         else:
-            keep = torch.ones_like(tr)
-            idx = tr.nonzero().squeeze(-1)
-            keep[idx] = keep_trust_region_values(lr_d[idx], tau, rule)
+            keep = keep_trust_region(lr_d, tr, tau, rule)
     else:
         keep = torch.ones_like(tr)
 
+    ones = valid.to(dtype)
     if name == "gspo":
-        seq_len = _seq_sum(torch.ones_like(lr_d), vt)
-        seq_lr = _seq_sum(lr, vt) / seq_len
-        tok, clipped, dual = _surrogate(seq_lr[vt.seq], A, keep, eps, dual_clip)
+        seq_len = vt.seq_sum(ones).clamp(min=1)  # empty sequences: 0 / 1, never 0 / 0 in backward
+        seq_lr = vt.seq_sum(lr) / seq_len
+        tok, clipped, dual = _surrogate(torch.where(valid, seq_lr[vt.seq], zero), A, keep, eps, dual_clip)
     else:
         tok, clipped, dual = _surrogate(lr, A, keep, eps, dual_clip)
 
+    seq_count = vt.seq_sum(ones) if vt.known_seqs else None
+    n_seqs = (seq_count > 0).sum() if seq_count is not None else None
     if agg == "token-mean":
         denom = _denominator(num_tokens, n, "valid tokens", "num_tokens")
         total = tok.sum()
     else:
-        denom = _denominator(num_seqs, vt.num_seqs, "sequences", "num_seqs")
-        per_seq = _seq_sum(tok, vt)
+        denom = _denominator(num_seqs, n_seqs, "sequences", "num_seqs")
+        per_seq = vt.seq_sum(tok)
         if agg == "seq-mean-token-mean":
-            per_seq = per_seq / _seq_sum(torch.ones_like(lr_d), vt)
+            per_seq = per_seq / seq_count.clamp(min=1)
         total = per_seq.sum()
-    loss = total / denom if denom > 0 else total * 0.0
+    loss = _divide(total, denom)
 
-    metrics = _metrics(loss, lr_d, tr, keep, clipped, dual, vt)
-    return loss, metrics
+    values = _stats(loss, lr_d, valid, n, n_seqs, tr, keep, clipped, dual, bad)
+    return loss, LossStats(values=values, where=where, has_seqs=vt.known_seqs)
 
 
 @torch.no_grad()
-def _metrics(loss, lr, tr, keep, clipped, dual, vt: ValidTokens) -> dict[str, float]:
-    n = lr.numel()
-    v = lr.to(torch.float64).square()
+def _stats(loss, lr, valid, n, n_seqs, tr, keep, clipped, dual, bad) -> Tensor:
+    """The device vector of LossStats (see _STATS); every sum masked to the valid tokens."""
+    f64 = torch.float64
+    lr64 = lr.to(f64)
+    v = lr64.square()
     kept_tr = tr & keep
-    r = torch.exp(lr).to(torch.float64)
-    lr64 = lr.to(torch.float64)
-    if n:
-        rmin, rmax = r.min(), r.max()
-    else:
-        rmin = rmax = torch.tensor(math.nan, dtype=torch.float64, device=lr.device)
-    stats = torch.stack([
-        loss.detach().to(torch.float64),
-        (v * tr).sum(), tr.sum().to(torch.float64),
-        (v * kept_tr).sum(), kept_tr.sum().to(torch.float64),
-        (~keep).sum().to(torch.float64), clipped.sum().to(torch.float64), dual.sum().to(torch.float64),
-        r.sum(), rmin, rmax, (-lr64).sum(), (r - 1 - lr64).sum(),
-    ]).tolist()
-    (loss_v, sv, nt, sv_kept, n_kept, n_masked, n_clip, n_dual, rsum, rmin, rmax, k1, k3) = stats
+    r = torch.exp(lr).to(f64)
+    inf = torch.full_like(r, math.inf)
+    rmin = torch.where(valid, r, inf).min() if r.numel() else torch.tensor(math.inf, dtype=f64, device=r.device)
+    rmax = torch.where(valid, r, -inf).max() if r.numel() else torch.tensor(-math.inf, dtype=f64, device=r.device)
+    zero = torch.zeros((), dtype=f64, device=r.device)
+    return torch.cat([torch.stack([
+        loss.detach().to(f64),
+        (v * tr).sum(), tr.sum().to(f64),
+        (v * kept_tr).sum(), kept_tr.sum().to(f64),
+        (~keep & valid).sum().to(f64), clipped.sum().to(f64), dual.sum().to(f64),
+        torch.where(valid, r, zero).sum(), rmin, rmax, (-lr64).sum(), torch.where(valid, r - 1 - lr64, zero).sum(),
+        n.to(f64), (n_seqs if n_seqs is not None else torch.full((), -1, device=r.device)).to(f64),
+    ]), bad.to(f64)])
+
+
+def _metrics_from_row(row: list[float], has_seqs: bool) -> dict[str, float]:
+    (loss_v, sv, nt, sv_kept, n_kept, n_masked, n_clip, n_dual, rsum, rmin, rmax, k1, k3, n,
+     n_seqs) = row[:len(_STATS)]
 
     def mean(s, c):
         return s / c if c > 0 else 0.0
@@ -246,6 +319,6 @@ def _metrics(loss, lr, tr, keep, clipped, dual, vt: ValidTokens) -> dict[str, fl
         "count/tokens": float(n),
         "count/kept_trust_region": n_kept,
     }
-    if vt.num_seqs >= 0:
-        out["count/seqs"] = float(vt.num_seqs)
+    if has_seqs:
+        out["count/seqs"] = float(n_seqs)
     return out

@@ -6,7 +6,8 @@ v_i = l_i^2. Trust-region tokens T = {A > 0 and l > 0} u {A < 0 and l < 0}; M2 =
 remove (Algorithm 1): while M2 over the remaining T exceeds tau, drop the remaining T token with the largest
   v. Since dropping the largest value can only lower the mean, the greedy loop keeps exactly the m* smallest
   values of T, where m* = max{m in 0..|T| : v_(1) + ... + v_(m) <= tau * m} (v_(k) ascending). One stable
-  sort + one cumulative sum finds m*, with no loop and no host sync. Ties: among equal values the token that
+  sort + one cumulative sum finds m*, with no loop (keep_trust_region: no data-dependent shape and no host
+  sync either; m2po_keep_mask selects T first, one sync per batch). Ties: among equal values the token that
   comes later in the batch order (row-major valid tokens; micro-batches in order; ranks in group order) is
   dropped first, in one process or many.
 
@@ -55,7 +56,8 @@ def _squares(tr_log_ratio: Tensor) -> Tensor:
 
 
 def remove_keep_count(sorted_v: Tensor, tau: float) -> Tensor:
-    """m* for ascending float64 values: the largest m with sum of the m smallest <= tau * m (0-d tensor)."""
+    """m* for ascending float64 values: the largest m with sum of the m smallest <= tau * m (0-d tensor).
+    Entries past the trust region may be +inf (see keep_trust_region): their prefix sums are inf, never <=."""
     n = sorted_v.numel()
     if n == 0:
         return torch.zeros((), dtype=torch.long, device=sorted_v.device)
@@ -67,49 +69,64 @@ def remove_keep_count(sorted_v: Tensor, tau: float) -> Tensor:
     return torch.where(ok, m, torch.zeros_like(m)).max()
 
 
-def cap_bound_sq(sorted_v: Tensor, tau: float) -> Tensor:
+def cap_bound_sq(sorted_v: Tensor, tau: float, num_trust_region: Tensor | None = None) -> Tensor:
     """The bound of the released code's zero-gradient set for ascending float64 values: T tokens with
-    v >= bound lose their gradient (0-d; +inf = no bound)."""
+    v >= bound lose their gradient (0-d; +inf = no bound). Only the first `num_trust_region` values (a 0-d
+    device tensor; default all) are T's; the rest may be anything (+inf in keep_trust_region)."""
     n = sorted_v.numel()
     dev = sorted_v.device
     if n == 0:
         return torch.tensor(math.inf, dtype=torch.float64, device=dev)
+    n_t = torch.as_tensor(n if num_trust_region is None else num_trust_region, device=dev).long()
+    nf = n_t.to(torch.float64)
+    idx = torch.arange(n, device=dev)
     prefix = torch.cumsum(sorted_v, 0)
-    total = prefix[-1]
-    target = tau * n
+    total = prefix.gather(0, (n_t - 1).clamp(min=0).reshape(1)).squeeze(0)
+    target = tau * nf
     # f_k = sum_i min(v_i, v_(k) - 1e-12) = prefix_k + (n - k - 1) * (v_(k) - 1e-12), as the released loop
     # computes it; non-decreasing in k.
-    rest = torch.arange(n - 1, -1, -1, device=dev, dtype=torch.float64)
+    rest = nf - 1 - idx.to(torch.float64)
     f = prefix + rest * (sorted_v - CAP_TOL)
-    reached = f >= target - CAP_TOL
+    reached = (idx < n_t) & (f >= target - CAP_TOL)
     k = torch.argmax(reached.to(torch.int8))  # first index where reached (f_{n-1} = total > target here)
     # Zero gradient for v >= v_(k-1) (the released v > v_(k-1) - 1e-12); k = 0 bounds every T token.
-    c2 = torch.where(k == 0, torch.zeros_like(total), sorted_v[(k - 1).clamp(min=0)])
-    if target <= CAP_TOL:  # tau = 0 with M2 > 0: bound at ratio 1 (the released code crashes here)
-        c2 = torch.zeros_like(c2)
-    no_bound = (total / n <= tau + CAP_TOL) | (target >= total - CAP_TOL)
+    prev = sorted_v.gather(0, (k - 1).clamp(min=0).reshape(1)).squeeze(0)
+    c2 = torch.where(k == 0, torch.zeros_like(total), prev)
+    # tau = 0 with M2 > 0: bound at ratio 1 (the released code crashes here)
+    c2 = torch.where(target <= CAP_TOL, torch.zeros_like(c2), c2)
+    no_bound = (n_t == 0) | (total / nf <= tau + CAP_TOL) | (target >= total - CAP_TOL)
     return torch.where(no_bound, torch.full_like(c2, math.inf), c2)
 
 
-def keep_trust_region_values(tr_log_ratio: Tensor, tau: float, rule: str = "remove") -> Tensor:
-    """Keep flags for the trust-region tokens, given their log-ratios in batch order (1-D).
-
-    This is the whole decision; m2po_keep_mask and the distributed version both call it on the values
-    of T in batch order, which is why they agree exactly.
-    """
+def keep_trust_region(log_ratio: Tensor, in_region: Tensor | None, tau: float, rule: str = "remove") -> Tensor:
+    """Keep flags [N] for flat log-ratios [N] in batch order, of which `in_region` [N] marks the trust-region
+    tokens T (None: all of them); True everywhere off T. The whole decision, with no data-dependent shape:
+    tokens off T sort last (as +inf, stably), so the first |T| sorted values are exactly T's in the order a
+    sort of T alone gives; m2po_keep_mask, policy_loss and the distributed version all decide through here,
+    which is why they agree."""
     check_tau_rule(tau, rule)
-    v = _squares(tr_log_ratio.reshape(-1))
+    v = _squares(log_ratio.reshape(-1))
     n = v.numel()
     if n == 0:
         return torch.ones(0, dtype=torch.bool, device=v.device)
+    if in_region is None:
+        big, n_t = v, None
+    else:
+        in_region = in_region.reshape(-1)
+        big, n_t = torch.where(in_region, v, torch.full_like(v, math.inf)), in_region.sum()
     if rule == "cap":
-        sorted_v = torch.sort(v).values
-        return v < cap_bound_sq(sorted_v, tau)
-    sorted_v, order = torch.sort(v, stable=True)
-    keep_sorted = torch.arange(n, device=v.device) < remove_keep_count(sorted_v, tau)
-    keep = torch.empty_like(keep_sorted)
-    keep[order] = keep_sorted
-    return keep
+        keep = v < cap_bound_sq(torch.sort(big).values, tau, n_t)
+    else:
+        sorted_v, order = torch.sort(big, stable=True)
+        keep_sorted = torch.arange(n, device=v.device) < remove_keep_count(sorted_v, tau)
+        keep = torch.empty_like(keep_sorted)
+        keep[order] = keep_sorted
+    return keep if in_region is None else ~in_region | keep
+
+
+def keep_trust_region_values(tr_log_ratio: Tensor, tau: float, rule: str = "remove") -> Tensor:
+    """Keep flags for the trust-region tokens alone, given their log-ratios in batch order (1-D)."""
+    return keep_trust_region(tr_log_ratio, None, tau, rule)
 
 
 def m2po_keep_mask(
@@ -144,6 +161,8 @@ def m2po_keep_mask(
         if lr.dtype in (torch.float16, torch.bfloat16):
             lr = lr.float()
         tr = trust_region(lr, advantages.detach(), mask).reshape(-1)
+        # A whole batch, once: sorting only T's values (one nonzero, one host sync) halves the sort and its
+        # memory against keep_trust_region's padded form, which the per-micro-batch loss uses instead.
         idx = tr.nonzero().squeeze(-1)
         keep = mask.reshape(-1).clone()
         keep[idx] = keep_trust_region_values(lr.reshape(-1)[idx], tau, rule)

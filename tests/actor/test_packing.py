@@ -111,3 +111,67 @@ def test_model_inputs_go_to_the_given_device(backend):
             assert psp.thd is None
     with pytest.raises(ValueError, match="attention_backend"):
         model_inputs(mb, "cpu", "flash")
+
+
+def _te_fp8_gemm_accepts(shape) -> bool:
+    """Transformer Engine's FP8 GEMM input check (transformer_engine/pytorch/utils.py assert_dim_for_fp8_exec):
+    the product of all dims but the last divisible by 8, the last divisible by 16."""
+    lead = 1
+    for d in shape[:-1]:
+        lead *= d
+    return lead % 8 == 0 and shape[-1] % 16 == 0
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("fp8, recipe", [(False, None), (True, "tensorwise"), (True, "delayed"), (True, "mxfp8")])
+def test_ragged_rows_are_padded_as_te_fp8_and_sequence_parallelism_need(tp, sp, fp8, recipe):
+    """Ragged rows built as the actor builds them (row_multiple): with sequence parallelism every rank gets an
+    equal share; with FP8 every linear layer's input on each rank ([local tokens, hidden] forward, and the
+    transposed [hidden, local tokens] of the weight-gradient GEMM) passes TE's FP8 check, and MXFP8's
+    32-element blocks tile the tokens; without either nothing is padded. Positions, labels and cu_seqlens
+    stay those of the unpadded sequences, and the padding is a segment of its own."""
+    from m2po_megatron.actor.packing import model_inputs, row_multiple
+
+    rng = random.Random(tp * 7 + sp)
+    lens = [rng.randint(4, 300) for _ in range(40)]
+    assert any(n % 16 for n in lens)
+    b = _batch(lens, plen=3)
+    hidden, ffn = 2048, 6144  # Qwen3-1.7B's sizes, divisible by 16 x TP as every supported model's are
+    mbs = plan_microbatches(b, list(range(len(lens))), 1000, row_multiple(tp, sp, fp8, recipe))
+    assert sum(len(m.seq_index) for m in mbs) == len(lens)
+    assert any(sum(m.lengths) % 16 for m in mbs)  # really ragged before padding
+    for mb in mbs:
+        s, used = mb.seq_len, sum(mb.lengths)
+        local = s // tp if sp else s  # tokens of each rank entering the column-parallel linears
+        if sp:
+            assert s % tp == 0
+        if fp8:
+            for shape in ([local, hidden], [hidden, local], [s, ffn // tp], [ffn // tp, s]):
+                assert _te_fp8_gemm_accepts(shape), (tp, sp, recipe, s, shape)
+            if recipe == "mxfp8":
+                assert local % 32 == 0
+            assert s - used < row_multiple(tp, sp, fp8, recipe)  # the least padding that does it
+        if not fp8 and not sp:
+            assert s == used and mb.num_padding == 0
+        assert mb.num_padding == s - used
+        # the sequences are where they were, and nothing of them moved into the padding
+        assert mb.cu_bounds()[:len(mb.lengths) + 1] == [sum(mb.lengths[:k]) for k in range(len(mb.lengths) + 1)]
+        assert mb.cu_bounds()[-1] == s
+        assert int(mb.logprob_positions.max()) < used
+        expect = torch.cat([b.input_ids[i][3:] for i in mb.seq_index])
+        assert torch.equal(mb.labels[0, mb.logprob_positions], expect)
+        assert mb.response_seq_ids().tolist() == [k for k, r in enumerate(mb.response_lens) for _ in range(r)]
+        psp = model_inputs(mb, "cpu", "te")["packed_seq_params"]
+        assert psp.cu_seqlens_q.tolist() == mb.cu_bounds() and psp.max_seqlen_q == max(
+            max(mb.lengths), s - used)
+
+
+def test_row_multiple():
+    from m2po_megatron.actor.packing import row_multiple
+
+    assert [row_multiple(tp, False, False) for tp in (1, 2, 8)] == [1, 1, 1]
+    assert [row_multiple(tp, True, False) for tp in (1, 2, 8)] == [1, 2, 8]
+    assert [row_multiple(tp, False, True, "tensorwise") for tp in (1, 2, 8)] == [16, 16, 16]
+    assert [row_multiple(tp, True, True, "delayed") for tp in (1, 2, 8)] == [16, 32, 128]
+    assert row_multiple(4, True, True, "mxfp8") == 128

@@ -36,3 +36,23 @@ def test_updates_of_a_step_sum_counts_keep_extremes_and_the_last_lr():
     assert (out["loss"], out["num_tokens"], out["ratio/max"], out["ratio/min"], out["lr"]) == (2.0, 30, 1.5, 0.4, 2e-3)
     assert (out["num_updates"], out["updates_applied_total"], out["per_update"]) == (1, 7, [a, b])
     assert "update_successful" not in out
+
+
+def test_one_read_per_update_gives_the_per_micro_batch_floats():
+    """read_step_values (the actor's one read after the schedule) returns the dicts policy_loss returns call
+    by call, and the entropy sum of per-micro-batch float() reads, so reduce_minibatch stays bit-identical."""
+    from m2po_megatron.actor.metrics import read_step_values
+    from m2po_megatron.algo import policy_loss_on_device
+
+    torch.manual_seed(2)
+    lp, blp = torch.randn(9, 7) * 0.3, torch.zeros(9, 7)
+    adv, mask = torch.randn(9, 1).expand(9, 7), torch.rand(9, 7) > 0.3
+    ent = [torch.rand(5) for _ in range(3)]
+    rows = torch.arange(9).chunk(3)
+    stats = [policy_loss_on_device("m2po", lp[r], blp[r], adv[r], mask[r], num_tokens=40, num_seqs=9)[1] for r in rows]
+    got, ent_sum = read_step_values(stats, [e.sum() for e in ent])
+    assert got == [policy_loss("m2po", lp[r], blp[r], adv[r], mask[r], num_tokens=40, num_seqs=9)[1] for r in rows]
+    ref = 0.0
+    for e in ent:
+        ref += float(e.sum())
+    assert ent_sum == ref

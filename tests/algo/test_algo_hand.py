@@ -208,3 +208,30 @@ def test_half_precision_inputs_are_computed_in_fp32():
     assert loss16.item() == loss32.item()
     loss16.backward()
     assert lp16.grad.dtype == torch.bfloat16
+
+
+def test_on_device_loss_defers_the_nan_check_and_keeps_the_gradient_finite():
+    # policy_loss_on_device reads nothing: a NaN input is counted, its token leaves the loss (finite gradient),
+    # and read_loss_stats raises naming it; the other tokens' loss is what policy_loss gives without it.
+    from m2po_megatron.algo import policy_loss_on_device, read_loss_stats
+
+    torch.manual_seed(3)
+    lp = (torch.randn(10) * 0.2).requires_grad_()
+    blp, adv = torch.zeros(10), torch.randn(10)
+    seq = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3])
+    bad = blp.clone()
+    bad[4] = float("nan")
+    loss, stats = policy_loss_on_device("gspo", lp, bad, adv, torch.ones(10, dtype=torch.bool), seq_ids=seq,
+                                        num_seq_ids=4)
+    loss.backward()
+    assert torch.isfinite(lp.grad).all() and lp.grad[4] == 0
+    with pytest.raises(ValueError, match=r"behav_log_prob contains NaN or inf at 1 valid token\(s\)"):
+        read_loss_stats([stats])
+    keep = torch.ones(10, dtype=torch.bool)
+    keep[4] = False
+    ref, _ = policy_loss("gspo", lp.detach(), blp, adv, keep, seq_ids=seq)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    # dense ids given (num_seq_ids) or made dense by torch.unique: the same metrics
+    _, a = policy_loss("gspo", lp.detach(), blp, adv, keep, seq_ids=seq, num_seq_ids=4)
+    _, b = policy_loss("gspo", lp.detach(), blp, adv, keep, seq_ids=seq * 7 + 3)
+    assert a == b

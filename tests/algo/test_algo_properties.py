@@ -222,3 +222,16 @@ def test_huge_ratio_on_inactive_token_gives_finite_gradient():
     loss.backward()
     assert torch.isfinite(lp.grad).all() and torch.isfinite(loss)
     assert lp.grad[0] == 0
+
+
+@SETTINGS
+@given(grid_batch, grid_tau, st.sampled_from(["remove", "cap"]))
+def test_padded_decision_equals_the_compact_one(batch, tau, rule):
+    # keep_trust_region decides on the whole flat vector (tokens off T sorted last as +inf, no data-dependent
+    # shape: the per-micro-batch loss path); m2po_keep_mask selects T first. Same flags, ties included.
+    from m2po_megatron.algo import keep_trust_region, trust_region
+
+    lr, adv, mask = unpack(batch, 1 / 32)
+    tr = trust_region(lr, adv, mask)
+    padded = mask & keep_trust_region(lr, tr, tau, rule)
+    assert torch.equal(padded, m2po_keep_mask(lr, adv, mask, tau=tau, rule=rule))
