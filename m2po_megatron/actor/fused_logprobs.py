@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .logprobs import chunk_partials, combine_partials, local_targets, tp_size_rank
+from .packing import to_device
 
 CHUNK_BYTES = 256 * 1024**2  # fp32 bytes of one chunk of logit rows (~440 rows of a 151,936 vocabulary)
 VOCAB_BLOCK = 16384  # rows of the output weight per bf16 gradient product (its temporary: VOCAB_BLOCK x H)
@@ -104,8 +105,8 @@ def fused_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, positions:
                          f"as megatron's output layer requires")
     if positions.shape != target.shape or positions.dim() != 1:
         raise ValueError(f"positions {tuple(positions.shape)} and target {tuple(target.shape)} must be equal 1-D")
-    pos = positions.to(hidden.device, torch.long)
-    return _FusedLogProbs.apply(hidden.index_select(0, pos), weight, target.to(hidden.device, torch.long),
+    pos = to_device(positions.long(), hidden.device)
+    return _FusedLogProbs.apply(hidden.index_select(0, pos), weight, to_device(target.long(), hidden.device),
                                 tp_group, chunk_rows(weight.size(0), chunk_bytes))
 
 

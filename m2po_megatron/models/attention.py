@@ -41,6 +41,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
+from m2po_megatron.infra.device import has_cuda
+
 BLOCK = 128  # flex's sparse block size (its default): one entry of the block mask per 128 x 128 tile
 KERNELS = ("flex", "loop")
 
@@ -76,6 +78,8 @@ def packed_row(bounds: Sequence[int], device, thd: Optional[PackedSeqParams] = N
     lens = [c - b for b, c in zip(bounds, bounds[1:])]
     doc = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), torch.tensor(lens),
                                   output_size=bounds[-1])
+    if has_cuda() and torch.device(device).type == "cuda":
+        doc = doc.pin_memory()  # a pageable source would make the non-blocking copy synchronous
     return PackedRow(max_seqlen_q=max(lens), max_seqlen_kv=max(lens), bounds=bounds,
                      document_ids=doc.to(device, non_blocking=True), thd=thd)
 

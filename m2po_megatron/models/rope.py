@@ -23,7 +23,8 @@ def per_token_rotary(inv_freq: torch.Tensor, position_ids: torch.Tensor, *, inte
     (`get_emb`): the half-dim frequencies twice (or interleaved)."""
     if position_ids.dim() != 2:
         raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}: expected [batch, seq]")
-    inv_freq = inv_freq.to(position_ids.device)  # a no-op once megatron has moved its table to the GPU
+    if inv_freq.device != position_ids.device:  # megatron builds its table on the model's device already
+        inv_freq = inv_freq.to(position_ids.device, non_blocking=True)
     pos = position_ids.t().to(inv_freq.dtype)  # [s, b]
     if interpolation_factor is not None:
         pos = pos / interpolation_factor

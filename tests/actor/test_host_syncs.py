@@ -9,16 +9,18 @@ import pytest
 import sync_workers as sw
 from m2po_megatron.actor.launch import run_multiprocess
 
-# "local" attention: the dense-mask path, whose attention reads nothing on the host, so the count is the
-# actor's and megatron's (the packed backends' per-layer reads of host cu_seqlens are models/attention.py's).
-SETTINGS = [dict(loss_name="m2po", m2po_scope="global"), dict(loss_name="m2po", m2po_scope="microbatch"),
-            dict(loss_name="gspo")]
+# Every loss on the dense-mask "local" path, and M2PO's batch-level mask on "sdpa" (the CPU's default: a
+# PackedRow per micro-batch, the per-sequence kernel on CPU, RoPE from position ids).
+SETTINGS = [dict(loss_name="m2po", m2po_scope="global", attention_backend="local"),
+            dict(loss_name="m2po", m2po_scope="microbatch", attention_backend="local"),
+            dict(loss_name="gspo", attention_backend="local"),
+            dict(loss_name="m2po", m2po_scope="global", attention_backend="sdpa")]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(500)
 def test_host_sync_count_does_not_grow_with_micro_batches():
-    jobs = [dict(s, n_mb=n, attention_backend="local") for s in SETTINGS for n in (2, 6)]
-    out = run_multiprocess(sw.count_worker, 1, args=(jobs,), timeout=380)[0]
+    jobs = [dict(s, n_mb=n) for s in SETTINGS for n in (2, 6)]
+    out = run_multiprocess(sw.count_worker, 1, args=(jobs,), timeout=480)[0]
     for i, s in enumerate(SETTINGS):
         two, six = out[2 * i], out[2 * i + 1]
         assert (two["num_microbatches"], six["num_microbatches"]) == (2, 6), s

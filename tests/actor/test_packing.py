@@ -162,9 +162,10 @@ def test_ragged_rows_are_padded_as_te_fp8_and_sequence_parallelism_need(tp, sp, 
         expect = torch.cat([b.input_ids[i][3:] for i in mb.seq_index])
         assert torch.equal(mb.labels[0, mb.logprob_positions], expect)
         assert mb.response_seq_ids().tolist() == [k for k, r in enumerate(mb.response_lens) for _ in range(r)]
-        psp = model_inputs(mb, "cpu", "te")["packed_seq_params"]
-        assert psp.cu_seqlens_q.tolist() == mb.cu_bounds() and psp.max_seqlen_q == max(
-            max(mb.lengths), s - used)
+        row = model_inputs(mb, "cpu", "te")["packed_seq_params"]
+        psp = row.thd  # TE's THD params; the padding is a segment of its own
+        assert row.bounds == tuple(mb.cu_bounds()) and psp.cu_seqlens_q.tolist() == mb.cu_bounds()
+        assert psp.max_seqlen_q == max(max(mb.lengths), s - used)
 
 
 def test_row_multiple():
