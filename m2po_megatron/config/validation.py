@@ -18,7 +18,7 @@ from m2po_megatron.config.schema import ConfigError
 def choices() -> dict[str, tuple | None]:
     """Each enumerated field's allowed values; a value the code implements is named where it is implemented
     (imported here, when a recipe is checked, not when this module is)."""
-    from m2po_megatron.actor.actor import LR_SCHEDULES, M2PO_SCOPES, RECOMPUTE_GRANULARITIES
+    from m2po_megatron.actor.settings import LR_SCHEDULES, M2PO_SCOPES, RECOMPUTE_GRANULARITIES
     from m2po_megatron.algo.losses import AGG_MODES, LOSSES
     from m2po_megatron.algo.mask import RULES
     from m2po_megatron.models.builder import ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES
