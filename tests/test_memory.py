@@ -147,3 +147,13 @@ def test_the_estimate_counts_the_model_as_it_is_built():
 
     cfg = dict(load_hf_config_dict(CONFIGS / "Qwen__Qwen2.5-32B"), attention_bias=False)
     assert model_shape(cfg).qkv_bias and read_hf_config(cfg).qkv_bias
+
+
+def test_the_estimate_uses_the_fused_log_prob_ops_own_chunk_sizes():
+    """models/ may not import actor/, so the estimate keeps copies of the fused op's chunk constants; they
+    must be the op's."""
+    from m2po_megatron.actor import fused_logprobs
+    from m2po_megatron.models import memory
+
+    assert memory.LOGPROB_CHUNK_BYTES == fused_logprobs.CHUNK_BYTES
+    assert memory.LOGPROB_VOCAB_BLOCK == fused_logprobs.VOCAB_BLOCK

@@ -394,9 +394,7 @@ class MegatronActor:
         def loss_fn(mb: MicroBatch, model_out):
             logp, ent = self._token_logps(mb, model_out, with_entropy=True)
             dev = logp.device
-            host = torch.stack([torch.cat([mb_batch.behav_log_probs[i].float() for i in mb.seq_index]),
-                                torch.cat([mb_batch.token_advantages(i) for i in mb.seq_index])])
-            behav, adv = to_device(host, dev)
+            behav, adv = _behav_and_advantages(mb_batch, mb, dev)
             seq_ids = to_device(mb.response_seq_ids(), dev)
             mask = torch.ones_like(logp, dtype=torch.bool)
             kw = dict(self.loss_kwargs)
@@ -469,9 +467,7 @@ class MegatronActor:
             return {}, {}
         log_ratios, advs, masks = [], [], []
         for mb in mbs:
-            host = torch.stack([torch.cat([mb_batch.behav_log_probs[i].float() for i in mb.seq_index]),
-                                torch.cat([mb_batch.token_advantages(i) for i in mb.seq_index])])
-            behav, adv = to_device(host, cur[id(mb)].device)
+            behav, adv = _behav_and_advantages(mb_batch, mb, cur[id(mb)].device)
             log_ratios.append(cur[id(mb)] - behav)
             advs.append(adv)
             masks.append(torch.ones_like(log_ratios[-1], dtype=torch.bool))
@@ -495,3 +491,11 @@ class MegatronActor:
         """Drop Megatron's parallel state (the process group stays, so another actor can be built)."""
         if self.ps.model_parallel_is_initialized():
             self.ps.destroy_model_parallel()
+
+
+def _behav_and_advantages(batch: TrainBatch, mb: MicroBatch, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """The behaviour log-probs and per-token advantages of `mb`'s response tokens, fp32 on `dev`: stacked on
+    the host, one non-blocking copy."""
+    host = torch.stack([torch.cat([batch.behav_log_probs[i].float() for i in mb.seq_index]),
+                        torch.cat([batch.token_advantages(i) for i in mb.seq_index])])
+    return tuple(to_device(host, dev))

@@ -52,10 +52,12 @@ def row_multiple(tensor_model_parallel_size: int = 1, sequence_parallel: bool = 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """`t` on `device` without blocking the host: a host tensor goes through pinned memory where CUDA is
     present (a pageable source makes the copy synchronous), then a non-blocking copy; a no-op when `t` is
-    already there (every CPU run)."""
+    already there (every CPU run). A copy to the host blocks (a non-blocking one could be read too early)."""
     dev = torch.device(device)
     if t.device == dev:
         return t
+    if dev.type == "cpu":
+        return t.to(dev)  # to the host: blocking, so the values are there when the caller reads them
     if has_cuda() and t.device.type == "cpu":
         t = t.pin_memory()
     return t.to(dev, non_blocking=True)

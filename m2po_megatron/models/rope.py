@@ -27,7 +27,7 @@ def per_token_rotary(inv_freq: torch.Tensor, position_ids: torch.Tensor, *, inte
         inv_freq = inv_freq.to(position_ids.device, non_blocking=True)
     pos = position_ids.t().to(inv_freq.dtype)  # [s, b]
     if interpolation_factor is not None:
-        pos = pos / interpolation_factor
+        pos = pos * (1 / interpolation_factor)  # megatron's own expression (`seq *= 1 / factor`), bit for bit
     freqs = pos.unsqueeze(-1) * inv_freq  # [s, b, dim/2]: the outer product megatron takes, per token
     if interleaved:
         emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)

@@ -85,8 +85,8 @@ def test_batch_validation_names_fields():
 @pytest.mark.parametrize("backend", ["te", "sdpa", "local"])
 def test_model_inputs_go_to_the_given_device(backend):
     """The one place that puts a row on the model's device, checked on the meta device (which the CPU layer
-    never rewrites, unlike 'cuda'): token ids, positions and the mask or cu_seqlens land there; only the sdpa
-    backend keeps cu_seqlens on the host on purpose (Python-side splits, no device sync per layer)."""
+    never rewrites, unlike 'cuda'): token ids, positions and the mask, or the packed row's document ids (and
+    TE's cu_seqlens), land there; the row's sequence bounds stay host ints, read once per micro-batch."""
     import torch
 
     from m2po_megatron.actor.packing import build_microbatch, model_inputs

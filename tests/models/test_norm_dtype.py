@@ -62,3 +62,22 @@ def test_fp32_model_norm_weights_stay_fp32(megatron_tp1):
     cfg = tiny_config("qwen2_untied")
     model = models.build_gpt_model(cfg, models.transformer_config_from_hf(cfg, params_dtype="fp32"))
     assert {p.dtype for m in _norms(model).values() for p in m.parameters()} == {torch.float32}
+
+
+def test_the_swiglu_fusion_is_on_where_torch_compile_can_build_and_off_with_a_warning_where_it_cannot(
+        monkeypatch):
+    """A CPU with a C++ compiler runs megatron's compiled SwiGLU, like a GPU; without one (inductor's compiler
+    is not there) the fusion is off, with a warning naming the fix, instead of failing at the first step."""
+    import warnings
+
+    import torch._inductor.config as inductor_config
+
+    from m2po_megatron.models.builder import can_compile
+
+    assert can_compile(True)
+    assert can_compile(False)  # this machine has g++ (the suite's CPU compile tests need it too)
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/c++"))  # what CXX=... sets
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert not can_compile(False)
+    assert any("install g++" in str(x.message) for x in w)
