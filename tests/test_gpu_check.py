@@ -151,7 +151,7 @@ def test_a_failing_or_overrunning_part_costs_only_its_own_numbers():
 def test_a_part_past_its_budget_is_killed_with_the_children_it_spawned(tmp_path):
     """The part's child ignores SIGTERM; the part's whole process group is killed, so nothing is left."""
     pid_file = tmp_path / "child.pid"
-    r = gpu_check.run_part("stubborn", _stubborn_part, (str(pid_file),), 150)
+    r = gpu_check.run_part("stubborn", _stubborn_part, (str(pid_file),), 90)
     assert "ran past its budget" in r["error"], r
     assert pid_file.exists(), "the part was killed before its child started: the test proved nothing"
     pid = int(pid_file.read_text())
