@@ -98,7 +98,7 @@ def breakdown(rows: list[dict], skip: int, mode: str) -> dict:
             "step_s_max": max(float(r["time/step"]) for r in kept),
             "parts_s": parts, "train_s": mean("time/train"), "tokens_per_step": tokens,
             "tokens_per_s": tokens / max(step_s, 1e-9), "tokens_per_train_s": tokens / max(mean("time/train"), 1e-9),
-            "gen_tokens_per_s": mean("tokens_per_s/gen"),
+            "gen_tokens_per_s": mean("tokens_per_s/gen"), "microbatches_per_step": mean("num_microbatches"),
             "background_reward_s": 0.0 if serial else mean("reward/seconds")}
 
 
@@ -115,6 +115,12 @@ def table(res: dict) -> str:
     lines.append(f"trained tokens: {res['tokens_per_step']:.0f} per step, {res['tokens_per_s']:.0f} tokens/s of "
                  f"step time ({res['tokens_per_train_s']:.0f} per second of time/train); generation "
                  f"{res['gen_tokens_per_s']:.0f} tokens/s")
+    n_mb = res["microbatches_per_step"]
+    if n_mb:
+        ms = lambda k: 1e3 * res["parts_s"][k] / n_mb  # noqa: E731
+        lines.append(f"{n_mb:.1f} micro-batches per step (over data-parallel ranks; tiny-cpu has one): "
+                     f"forward/backward {ms('forward_backward'):.0f} ms and log-prob pass {ms('logprob_pass'):.0f} ms "
+                     f"per micro-batch")
     if res["mode"] not in SERIAL_MODES:
         lines.append(f"background (overlapped with training, not in the sum): reward scoring "
                      f"{res['background_reward_s']:.3f} s per step")

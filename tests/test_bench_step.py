@@ -15,7 +15,7 @@ import bench_step as bs  # noqa: E402
 def _row(step, *, wait, train, sync, step_s, actor=None, reward_s=0.2, tokens=1000):
     r = {"step": step, "version": 2 * step, "time/wait_rollout": wait, "time/train": train,
          "time/weight_sync": sync, "time/step": step_s, "reward/seconds": reward_s, "batch/tokens": tokens,
-         "tokens_per_s/gen": 500.0}
+         "tokens_per_s/gen": 500.0, "num_microbatches": 10}
     if actor is not None:  # train_step, logprob_pass, forward_backward, optimizer
         r.update(dict(zip(bs.ACTOR_KEYS, actor)))
     return r
@@ -49,6 +49,7 @@ def test_parts_of_the_kept_steps_add_up_to_the_step(tmp_path):
     assert res["tokens_per_s"] == pytest.approx(1100 / 5.0)
     text = bs.table(res)
     assert "| forward/backward | 2.100 | 42.0 % |" in text and "steps 2-3 (2 steps" in text
+    assert "forward/backward 210 ms and log-prob pass 110 ms per micro-batch" in text
 
 
 def test_serial_modes_count_the_reward_pool_inside_the_wait(tmp_path):
