@@ -76,8 +76,9 @@ def train_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if "time/step" in r]
 
 
-def breakdown(rows: list[dict], skip: int, mode: str) -> dict:
-    """Means over the training steps after the first `skip`: seconds per part, the step, tokens per second."""
+def breakdown(rows: list[dict], skip: int, mode: str, dp: int = 1) -> dict:
+    """Means over the training steps after the first `skip`: seconds per part, the step, tokens per second.
+    `dp`: data-parallel ranks (num_microbatches counts all of theirs; rank 0 times its own)."""
     steps = train_rows(rows)
     if skip >= len(steps):
         raise SystemExit(f"--skip {skip} leaves none of the {len(steps)} training steps to measure; "
@@ -98,7 +99,7 @@ def breakdown(rows: list[dict], skip: int, mode: str) -> dict:
             "step_s_max": max(float(r["time/step"]) for r in kept),
             "parts_s": parts, "train_s": mean("time/train"), "tokens_per_step": tokens,
             "tokens_per_s": tokens / max(step_s, 1e-9), "tokens_per_train_s": tokens / max(mean("time/train"), 1e-9),
-            "gen_tokens_per_s": mean("tokens_per_s/gen"), "microbatches_per_step": mean("num_microbatches"),
+            "gen_tokens_per_s": mean("tokens_per_s/gen"), "microbatches_per_step": mean("num_microbatches") / dp,
             "background_reward_s": 0.0 if serial else mean("reward/seconds")}
 
 
@@ -118,7 +119,7 @@ def table(res: dict) -> str:
     n_mb = res["microbatches_per_step"]
     if n_mb:
         ms = lambda k: 1e3 * res["parts_s"][k] / n_mb  # noqa: E731
-        lines.append(f"{n_mb:.1f} micro-batches per step (over data-parallel ranks; tiny-cpu has one): "
+        lines.append(f"{n_mb:.1f} micro-batches per step on rank 0: "
                      f"forward/backward {ms('forward_backward'):.0f} ms and log-prob pass {ms('logprob_pass'):.0f} ms "
                      f"per micro-batch")
     if res["mode"] not in SERIAL_MODES:
@@ -134,19 +135,19 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def read_run(run: Path) -> tuple[list[dict], str]:
-    """A run directory's metrics rows and its staleness mode (from the resolved config.yaml)."""
+def read_run(run: Path) -> tuple[list[dict], str, int]:
+    """A run directory's metrics rows, staleness mode and data-parallel size (from its resolved config.yaml)."""
     import yaml
 
     from m2po_megatron.run.metrics import read_metrics
 
-    metrics, cfg = run / "metrics.jsonl", run / "config.yaml"
+    metrics, cfg_path = run / "metrics.jsonl", run / "config.yaml"
     if not metrics.exists():
         raise SystemExit(f"{metrics} does not exist: --from takes a run directory of `m2po train`")
-    mode = "bounded"
-    if cfg.exists():
-        mode = ((yaml.safe_load(cfg.read_text()) or {}).get("staleness") or {}).get("mode", mode)
-    return read_metrics(metrics), mode
+    cfg = (yaml.safe_load(cfg_path.read_text()) if cfg_path.exists() else None) or {}
+    mode = (cfg.get("staleness") or {}).get("mode", "bounded")
+    dp = int((cfg.get("parallel") or {}).get("data_parallel_size", 1))
+    return read_metrics(metrics), mode, dp
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -289,7 +290,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the breakdown as JSON here")
     args = ap.parse_args()
     if args.from_run:
-        rows, mode = read_run(Path(args.from_run))
+        rows, mode, dp = read_run(Path(args.from_run))
     else:
         if args.skip >= args.steps:
             raise SystemExit(f"--skip {args.skip} leaves none of the --steps {args.steps} steps to measure")
@@ -298,8 +299,8 @@ def main() -> None:
         task, _ = ensure_tiny_task(args.task_dir, seed=0)
         tmp = Path(tempfile.mkdtemp(prefix="m2po-bench-step-"))
         run, cpu = run_train(task.resolve(), tmp, args.steps, args.skip, args.overrides, args.timeout)
-        rows, mode = read_run(run)
-    res = breakdown(rows, args.skip, mode)
+        rows, mode, dp = read_run(run)
+    res = breakdown(rows, args.skip, mode, dp)
     if not args.from_run:
         res["cpu_s_per_step"] = cpu
         res["cpus"] = os.cpu_count()

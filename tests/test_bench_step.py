@@ -21,10 +21,12 @@ def _row(step, *, wait, train, sync, step_s, actor=None, reward_s=0.2, tokens=10
     return r
 
 
-def _run(tmp_path, rows, mode="bounded"):
+def _run(tmp_path, rows, mode="bounded", dp=1):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"staleness": {"mode": mode}}))
-    return bs.read_run(tmp_path)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"staleness": {"mode": mode},
+                                                          "parallel": {"data_parallel_size": dp}}))
+    rows, mode, dp = bs.read_run(tmp_path)
+    return rows, mode, dp
 
 
 ROWS = [{"step": 0, "eval/avg/pass@1": 40.0},  # the evaluation before training: not a step
@@ -34,8 +36,8 @@ ROWS = [{"step": 0, "eval/avg/pass@1": 40.0},  # the evaluation before training:
 
 
 def test_parts_of_the_kept_steps_add_up_to_the_step(tmp_path):
-    rows, mode = _run(tmp_path, ROWS)
-    res = bs.breakdown(rows, skip=1, mode=mode)
+    rows, mode, dp = _run(tmp_path, ROWS)
+    res = bs.breakdown(rows, skip=1, mode=mode, dp=dp)
     p = res["parts_s"]
     assert res["mode"] == "bounded" and res["steps"] == [2, 3]
     assert res["step_s"] == pytest.approx(5.0)
@@ -53,17 +55,18 @@ def test_parts_of_the_kept_steps_add_up_to_the_step(tmp_path):
 
 
 def test_serial_modes_count_the_reward_pool_inside_the_wait(tmp_path):
-    rows, mode = _run(tmp_path, ROWS, mode="on_policy")
-    p = bs.breakdown(rows, skip=1, mode=mode)["parts_s"]
-    assert p["reward"] == pytest.approx(0.2) and p["generation"] == pytest.approx(0.2)
+    rows, mode, dp = _run(tmp_path, ROWS, mode="on_policy", dp=2)
+    res = bs.breakdown(rows, skip=1, mode=mode, dp=dp)
+    assert res["parts_s"]["reward"] == pytest.approx(0.2) and res["parts_s"]["generation"] == pytest.approx(0.2)
+    assert "5.0 micro-batches per step on rank 0: forward/backward 420 ms" in bs.table(res)  # 10 over 2 ranks
 
 
 def test_a_step_that_trained_nothing_has_no_actor_parts_and_an_old_run_is_refused(tmp_path):
-    rows, mode = _run(tmp_path, ROWS + [_row(4, wait=2.0, train=0.0, sync=0.0, step_s=2.1)])
+    rows, mode, _ = _run(tmp_path, ROWS + [_row(4, wait=2.0, train=0.0, sync=0.0, step_s=2.1)])
     res = bs.breakdown(rows, skip=2, mode=mode)
     assert res["steps"] == [3, 4] and res["parts_s"]["forward_backward"] == pytest.approx(1.1)
     assert sum(res["parts_s"].values()) == pytest.approx(res["step_s"])
-    rows, mode = _run(tmp_path, [_row(s, wait=1.0, train=3.0, sync=0.0, step_s=4.0) for s in (1, 2, 3)])
+    rows, mode, _ = _run(tmp_path, [_row(s, wait=1.0, train=3.0, sync=0.0, step_s=4.0) for s in (1, 2, 3)])
     with pytest.raises(SystemExit, match="predates the actor's step timers"):
         bs.breakdown(rows, skip=1, mode=mode)
     with pytest.raises(SystemExit, match="lower --skip"):
