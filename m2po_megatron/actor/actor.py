@@ -14,6 +14,7 @@ gradient of the global mini-batch loss.
 from __future__ import annotations
 
 import logging
+import time
 from functools import partial
 from typing import Any, Iterator, Optional
 
@@ -41,6 +42,10 @@ from .settings import check_options, recompute_overrides
 
 log = logging.getLogger(__name__)
 
+# train_step's parts timed on the host (perf_counter, no added device sync) as time/actor/<part> seconds: the
+# no-grad forward of M2PO's batch-level mask, the forward/backward schedule (up to the loss stats' host read)
+# and optimizer + scheduler (on CUDA, its kernels after the grad-norm read land in the next waiting timer).
+STEP_TIMES = ("logprob_pass", "forward_backward", "optimizer")
 
 
 class MegatronActor:
@@ -356,19 +361,23 @@ class MegatronActor:
     # ------------------------------------------------------------------ training
     def train_step(self, batch: TrainBatch, num_minibatches: int = 1) -> dict:
         """Split `batch` into num_minibatches contiguous optimizer mini-batches and apply one update per
-        mini-batch. Returns metrics identical on every rank (see docs/actor.md for the keys)."""
+        mini-batch. Returns metrics identical on every rank (see docs/actor.md for the keys), except the
+        rank's own seconds under time/actor/* (STEP_TIMES, summed over the updates, and the whole call)."""
+        t_start = time.perf_counter()
         batch.validate(for_training=True, vocab_size=self.spec.vocab_size, max_tokens=self.micro_batch_tokens)
         minis = split_minibatches(len(batch), num_minibatches)
         for mi in minis:
             if len(mi) < self.dp_size:
                 raise ValueError(f"a mini-batch of {len(mi)} sequences cannot feed {self.dp_size} data-parallel "
                                  f"ranks: lower num_minibatches ({num_minibatches}) or send a larger batch")
-        per_update = []
-        for mi in minis:
-            per_update.append(self._train_minibatch(batch.select(mi)))
-        return combine_updates(per_update, self.updates_applied)
+        times = dict.fromkeys(STEP_TIMES, 0.0)
+        per_update = [self._train_minibatch(batch.select(mi), times) for mi in minis]
+        out = combine_updates(per_update, self.updates_applied)
+        out.update({f"time/actor/{k}": v for k, v in times.items()})
+        out["time/actor/train_step"] = time.perf_counter() - t_start
+        return out
 
-    def _train_minibatch(self, mb_batch: TrainBatch) -> dict:
+    def _train_minibatch(self, mb_batch: TrainBatch, times: dict) -> dict:
         from m2po_megatron.algo import losses as algo_losses
 
         lengths = mb_batch.lengths
@@ -383,7 +392,9 @@ class MegatronActor:
         mask_stats: dict[str, float] = {}
         use_global_mask = self.loss_name == "m2po" and self.m2po_scope == "global"
         if use_global_mask:
-            keep_masks, mask_stats = self._global_keep_masks(mb_batch, shard, mbs)
+            t = time.perf_counter()
+            keep_masks, mask_stats = self._global_keep_masks(mb_batch, shard, mbs)  # ends in a host read
+            times["logprob_pass"] += time.perf_counter() - t
 
         # Per micro-batch everything stays on the device (loss stats with their NaN/inf counts, the entropy
         # sum); it is read once after the schedule, and a non-finite input raises there, before
@@ -415,17 +426,21 @@ class MegatronActor:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
+        t = time.perf_counter()
         try:
             self._run(mbs, loss_fn, forward_only=False)
         except Exception:
             read_step_values(stats, ent_sums)  # a NaN/inf input that broke the step: name it
             raise
         mb_metrics, entropy_sum = read_step_values(stats, ent_sums)  # raises on NaN/inf inputs
+        t_opt = time.perf_counter()
+        times["forward_backward"] += t_opt - t
         lr_used = float(self.optimizer.param_groups[0]["lr"])
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
             self.updates_applied += 1
+        times["optimizer"] += time.perf_counter() - t_opt
 
         reduced = (reduce_minibatch(mb_metrics, entropy_sum, mask_stats, dp_group=self.dp_group)
                    if self.is_last_stage else None)

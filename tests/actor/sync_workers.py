@@ -136,7 +136,8 @@ def count_worker(settings: list[dict]):
             lp, _ = actor.compute_log_probs(batch)
         trace["logp"] = dict(TRACE)
         out.append({"train": dict(train.counts), "logp": dict(logp.counts), "num_microbatches": m["num_microbatches"],
-                    "grad_norm": m["grad_norm"], "loss": m["loss"], "n_lp": len(lp), "trace": trace})
+                    "grad_norm": m["grad_norm"], "loss": m["loss"], "n_lp": len(lp), "trace": trace,
+                    "times": {k: v for k, v in m.items() if k.startswith("time/actor/")}})
         actor.close()
     return out
 

@@ -7,6 +7,7 @@ grad norm equals megatron's own at TP2."""
 import pytest
 
 import sync_workers as sw
+from m2po_megatron.actor.actor import STEP_TIMES
 from m2po_megatron.actor.launch import run_multiprocess
 
 # Every loss on the dense-mask "local" path, and M2PO's batch-level mask on "sdpa" (the CPU's default: a
@@ -29,6 +30,11 @@ def test_host_sync_count_does_not_grow_with_micro_batches():
         assert six["loss"] == pytest.approx(two["loss"], rel=1e-5), s  # the same work
         # and the counters see what they should: the update's reads, one copy to the host of the log-probs
         assert two["train"].get("item", 0) > 0 and two["logp"].get("cpu", 0) == 1, s
+        # the step's parts, timed on the host without a sync (benchmarks/bench_step.py), lie within the call
+        t = six["times"]
+        assert set(t) == {f"time/actor/{k}" for k in (*STEP_TIMES, "train_step")}, t
+        assert min(t.values()) >= 0 and sum(t.values()) - t["time/actor/train_step"] <= t["time/actor/train_step"]
+        assert (t["time/actor/logprob_pass"] > 0) == (s.get("m2po_scope") == "global"), (s, t)
 
 
 @pytest.mark.timeout(300)
