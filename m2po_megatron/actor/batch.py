@@ -32,6 +32,22 @@ class TrainBatch:
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    # Pickled (ray.put to every rank) as one flat tensor per field plus the lengths: hundreds of small tensors
+    # cost about 0.1 ms each to pickle and again to unpickle. Anything else pickles as is, for validate().
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        for name in ("input_ids", "behav_log_probs", "advantages"):
+            flat = _flatten(state[name])
+            if flat is not None:
+                state[name] = flat
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name in ("input_ids", "behav_log_probs", "advantages"):
+            if isinstance(state.get(name), _Flat):
+                state[name] = state[name].unflatten()
+        self.__dict__.update(state)
+
     @property
     def lengths(self) -> list[int]:
         return [int(t.numel()) for t in self.input_ids]
@@ -42,9 +58,9 @@ class TrainBatch:
 
     def token_advantages(self, i: int) -> torch.Tensor:
         """Advantages of sequence i, one per response token (a per-sequence value is broadcast)."""
-        r = self.response_lens[i]
         if isinstance(self.advantages, torch.Tensor):
-            return self.advantages[i].float().expand(r)
+            # one sequence's length only: this runs per sequence of every micro-batch
+            return self.advantages[i].float().expand(int(self.input_ids[i].numel()) - int(self.prompt_lens[i]))
         return self.advantages[i].float()
 
     def select(self, indices: Sequence[int]) -> "TrainBatch":
@@ -109,3 +125,24 @@ class TrainBatch:
                 if a.dim() != 1 or a.numel() != rl[i]:
                     raise ValueError(
                         f"TrainBatch.advantages[{i}] has shape {tuple(a.shape)}; expected ({rl[i]},)")
+
+
+@dataclass
+class _Flat:
+    """A list of 1-D tensors of one dtype, as their concatenation and lengths (see TrainBatch.__getstate__)."""
+
+    data: torch.Tensor
+    lengths: list[int]
+
+    def unflatten(self) -> list[torch.Tensor]:
+        # clone: each sequence owns its storage, as before pickling (no view keeps the whole batch alive)
+        return [t.clone() for t in self.data.split(self.lengths)] if self.lengths else []
+
+
+def _flatten(seqs) -> Optional[_Flat]:
+    if not isinstance(seqs, list) or not seqs or not all(isinstance(t, torch.Tensor) for t in seqs):
+        return None
+    dtype, device = seqs[0].dtype, seqs[0].device
+    if any(t.dim() != 1 or t.dtype != dtype or t.device != device or t.requires_grad for t in seqs):
+        return None
+    return _Flat(torch.cat(seqs), [int(t.numel()) for t in seqs])
