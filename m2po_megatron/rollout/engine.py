@@ -41,7 +41,7 @@ class Sequence:
     rid: str
     prompt: list[int]
     sp: SamplingParams
-    generator: torch.Generator
+    seed: int  # the sampler's counter-based noise is a function of (seed, position, token)
     on_done: Callable[["Sequence"], None]
     out: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -101,12 +101,11 @@ class Engine:
         rid = rid or uuid.uuid4().hex
         seqs = []
         for i in range(n):
-            g = torch.Generator()
             if self.deterministic:  # SGLang's n copies of a request share its seed, so their samples are equal
-                g.manual_seed((DEFAULT_SAMPLING_SEED if sp.sampling_seed is None else sp.sampling_seed) % 2**63)
+                seed = (DEFAULT_SAMPLING_SEED if sp.sampling_seed is None else sp.sampling_seed) % 2**63
             else:
-                g.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._seed_rng)))
-            seqs.append(Sequence(rid=rid if n == 1 else f"{rid}-{i}", prompt=list(prompt), sp=sp, generator=g,
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+            seqs.append(Sequence(rid=rid if n == 1 else f"{rid}-{i}", prompt=list(prompt), sp=sp, seed=seed,
                                  on_done=on_done))
         with self.cond:
             if sp.max_new_tokens == 0:
@@ -251,11 +250,13 @@ class Engine:
         logp = sampling.returned_logprobs(logits, temp)
         probs = sampling.filtered_probs(logits, temp, f("top_p", torch.float32), f("top_k", torch.long),
                                         f("min_p", torch.float32))
-        tokens = sampling.sample_rows(probs, [s.generator for s in seqs]).tolist()
+        chosen = sampling.sample_rows(probs, torch.tensor([s.seed for s in seqs], dtype=torch.long),
+                                      torch.tensor([len(s.prompt) + len(s.out) for s in seqs], dtype=torch.long))
+        tokens, token_logps = chosen.tolist(), logp.gather(-1, chosen[:, None])[:, 0].tolist()
         done_rows = []
         for j, (s, tok) in enumerate(zip(seqs, tokens)):
             s.out.append(tok)
-            s.logprobs.append(float(logp[j, tok]))
+            s.logprobs.append(token_logps[j])
             s.versions.append(self.weight_version)
             reason = self._finish_reason(s, tok)
             if reason is not None:
@@ -294,7 +295,8 @@ class Engine:
     def _drop_rows(self, rows: list[int]) -> None:
         if not rows:
             return
-        keep = [i for i in range(len(self.running)) if i not in set(rows)]
+        gone = set(rows)
+        keep = [i for i in range(len(self.running)) if i not in gone]
         self.running = [self.running[i] for i in keep]
         if not keep:
             self.keys, self.values, self.mask = [], [], torch.zeros(0, 0, dtype=torch.long)

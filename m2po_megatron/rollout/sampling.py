@@ -46,6 +46,43 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
     return out
 
 
-def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row, each row from its own generator (per-request sampling_seed reproducibility)."""
-    return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(generators)])
+_MASK = (1 << 64) - 1
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+# 64-bit finalizer (MurmurHash3's fmix64) in torch int64 arithmetic, which wraps on overflow; a logical right
+# shift is an arithmetic one with the sign bits masked off.
+_M1, _M2 = _signed(0xFF51AFD7ED558CCD), _signed(0xC4CEB9FE1A85EC53)
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _fmix64(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ _shr(x, 33)
+    x = x * _M1
+    x = x ^ _shr(x, 33)
+    x = x * _M2
+    return x ^ _shr(x, 33)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] float64 uniforms in (0, 1), a pure function of (seed, position, token id): a counter-based
+    generator, so that one call serves a whole batch and a sample depends only on its own request's seed and
+    position (as SGLang's deterministic sampler, which hashes the same three)."""
+    row = _fmix64(seeds.to(torch.int64) * _GOLDEN ^ _fmix64(positions.to(torch.int64) + 1))
+    h = _fmix64(row[:, None] ^ (torch.arange(vocab, dtype=torch.int64) * _GOLDEN)[None, :])
+    return (_shr(h, 11).to(torch.float64) + 0.5) / float(1 << 53)
+
+
+def sample_rows(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One token per row by the Gumbel-max trick, argmax(log p + Gumbel noise): an exact draw from each row
+    of `probs`, with the noise of (seed, position) from uniform_noise. Zero-probability tokens are never
+    drawn."""
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, positions, probs.shape[-1])))
+    return (probs.double().log() + gumbel).argmax(-1)
