@@ -30,7 +30,7 @@ class Comparison:
     def test(self, bench: str = "avg") -> stats.TTest:
         if bench in self.tests:
             return self.tests[bench]
-        return stats._failed(self.note or f"no {bench} score in the group or the reference")
+        return stats.no_test(self.note or f"no {bench} score in the group or the reference")
 
 
 def _describe_diff(a: dict, b: dict, limit: int = 3) -> str:

@@ -324,9 +324,7 @@ def markdown(groups: list[Group], comps: Optional[dict] = None) -> str:
             if when == "score":
                 row.append(str(g.n_evals[0]) if len(set(g.n_evals)) == 1 else ", ".join(map(str, g.n_evals)))
                 row.append(_per_run(g, when))
-                c = comps.get(id(g), {})
-                row += [cl.cell(c.get(k)) if g.staleness != "0" and not (k == "stale_grpo" and g.method == "grpo")
-                        else "-" for k in cl.REFS]
+                row += [cl.cell(comps.get(id(g), {}).get(k)) for k in cl.REFS]  # "-": no such test
             else:
                 step = g.last_step if when == "last" else g.best_step
                 row.append(f"{step.mean:.0f}" if step.values else "-")

@@ -88,7 +88,8 @@ class TTest:
         return t_sf(self.t, self.dof) if self.ok else math.nan
 
 
-def _failed(reason: str, diff: float = math.nan) -> TTest:
+def no_test(reason: str, diff: float = math.nan) -> TTest:
+    """A TTest that was not made, saying why."""
     return TTest(diff, math.nan, math.nan, math.nan, math.nan, math.nan, reason)
 
 
@@ -105,12 +106,12 @@ def welch(a: Sequence[float], b: Sequence[float], level: float = LEVEL) -> TTest
     if na < 2 or nb < 2:
         diff = statistics.fmean(a) - statistics.fmean(b) if na and nb else math.nan
         which = " and ".join(f"{name} has n={n}" for name, n in (("the group", na), ("the reference", nb)) if n < 2)
-        return _failed(f"{which}; a test needs n >= 2 in both", diff)
+        return no_test(f"{which}; a test needs n >= 2 in both", diff)
     va, vb = statistics.variance(a), statistics.variance(b)
     diff = statistics.fmean(a) - statistics.fmean(b)
     wa, wb = va / na, vb / nb
     if wa + wb == 0:
-        return _failed("both groups have zero spread; no t-test", diff)
+        return no_test("both groups have zero spread; no t-test", diff)
     dof = (wa + wb) ** 2 / (wa ** 2 / (na - 1) + wb ** 2 / (nb - 1))
     return _from_t(diff, math.sqrt(wa + wb), dof, level)
 
@@ -119,11 +120,11 @@ def one_sample(values: Sequence[float], level: float = LEVEL) -> TTest:
     """t-test of mean(values) against 0 (n - 1 dof), e.g. of paired differences."""
     n = len(values)
     if n < 2:
-        return _failed(f"n={n}; a test needs n >= 2", statistics.fmean(values) if n else math.nan)
+        return no_test(f"n={n}; a test needs n >= 2", statistics.fmean(values) if n else math.nan)
     sd = statistics.stdev(values)
     mean = statistics.fmean(values)
     if sd == 0:
-        return _failed("zero spread; no t-test", mean)
+        return no_test("zero spread; no t-test", mean)
     return _from_t(mean, sd / math.sqrt(n), n - 1, level)
 
 
