@@ -15,6 +15,7 @@ CORE = [
     "pyarrow>=15",
     "aiohttp>=3.9",
     "numpy>=1.26",
+    "scipy>=1.11",  # m2po report: Student-t intervals and Welch's t-test (sweep/stats.py)
     "pyyaml>=6",
     "jsonschema>=4",
 ]

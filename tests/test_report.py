@@ -1,5 +1,6 @@
 """m2po report on synthetic run directories with known values: grouping by method and staleness, last and
-best evaluation, mean and sample std over seeds, n per cell, variants, the CSV, the plots and bad input.
+best evaluation, mean, sample std and 95 % interval over seeds, n per cell, variants, the CSV, the plots and
+bad input (tests/test_report_stats.py: the score, the tests and the claims).
 (tests/test_sweep_local.py runs it on real run directories.)"""
 import csv
 import json
@@ -108,13 +109,28 @@ def test_table_values_against_hand_computed_means_and_stds(runs, tmp_path):
     assert variant["n"] == "1" and variant["values"] == "2"
 
 
+def table(md: str, title: str) -> list[str]:
+    """The lines of the Markdown table whose title contains `title`."""
+    part = md.split(title, 1)[1].split("\n\n", 2)[1]
+    return [ln for ln in part.splitlines() if ln.startswith("| ")]
+
+
 def test_markdown_rows_are_ordered_like_table_1(runs, tmp_path):
     md = make_report([runs], tmp_path / "r", plots=False)["markdown"].read_text()
-    lines = [ln for ln in md.splitlines() if ln.startswith("| ")]
+    assert md.index("score: the mean of each run's last 3") < md.index("at the last evaluation") < md.index(
+        "at the best eval (chosen on the test set; optimistic)")
+    score = table(md, "score: the mean of each run's last 3")
+    assert score[0] == ("| method | s | a | b | Avg | evals | Avg per run (score) | Δ vs on-policy GRPO | "
+                        "Δ vs stale GRPO, same s |")
+    lines = table(md, "at the last evaluation")
+    # Cells are mean ± t_{0.975, n-1} x std / sqrt(n): GRPO a: 4.3027 x 15.275 / sqrt(3) = 37.9;
+    # M2PO tau 0.04 a (36, 40): 12.706 x 2.828 / sqrt(2) = 25.4.
     assert lines[0].startswith("| method | s | a | b | Avg | step | Avg per run (last) |")
-    assert lines[1].startswith("| GRPO | 0 | 33.3 ± 15.3 (3) | 26.7 ± 15.3 (3) | 30.0 ± 13.2 (3) | 20 | 25.0, 45.0, 20.0 |")
+    assert lines[1].startswith("| GRPO | 0 | 33.3 ± 37.9 (3) | 26.7 ± 37.9 (3) | 30.0 ± 32.9 (3) | 20 | 25.0, 45.0, 20.0 |")
     assert lines[2].startswith("| M2PO (algo.m2po.tau=0.02) | 256 | 1.0 (1) | 3.0 (1) | 2.0 (1) | 20 | 2.0 |")
-    assert lines[3].startswith("| M2PO (algo.m2po.tau=0.04) | 256 | 38.0 ± 2.8 (2) | 44.0 (1) | 40.0 ± 0.0 (2) | 20 |")
+    assert lines[3].startswith("| M2PO (algo.m2po.tau=0.04) | 256 | 38.0 ± 25.4 (2) | 44.0 (1) | 40.0 ± 0.0 (2) | 20 |")
+    assert [ln.split(" | ")[:2] for ln in table(md, "optimistic")[1:]] == [
+        ["| GRPO", "0"], ["| M2PO (algo.m2po.tau=0.02)", "256"], ["| M2PO (algo.m2po.tau=0.04)", "256"]]
 
 
 def test_a_resumed_run_counts_the_relogged_step_once(tmp_path):
@@ -155,7 +171,7 @@ def test_a_paper_sweep_gets_a_model_column_and_the_papers_benchmark_order(tmp_pa
             make_run(tmp_path, f"table1-{model}-{algo}", algo, lag, 42, {50: {b: 10.0 for b in benches}},
                      extra={"model.hf_path": f"models/{model}"}, steps=50)
     md = make_report([tmp_path], tmp_path / "r", plots=False)["markdown"].read_text()
-    lines = [ln for ln in md.splitlines() if ln.startswith("| ")]
+    lines = table(md, "at the last evaluation")
     assert lines[0].startswith("| model | method | s | aime24 | aime25 | amc23 | amc24 | math500 | gaokao2023en | "
                                "minerva_math | olympiadbench | Avg | step |")
     assert [ln.split(" | ")[:3] for ln in lines[1:5]] == [

@@ -123,8 +123,8 @@ def test_report_reads_the_real_run_directories(swept, tmp_path):
     csv_lines = (tmp_path / "r" / "report.csv").read_text().splitlines()
     assert csv_lines[0].startswith("model,method,staleness,variant,eval,benchmark,mean,std,n")
     cells = [ln.split(",") for ln in csv_lines[1:]]
-    assert {(c[1], c[4], c[5]) for c in cells} == {(m, w, b) for m in ("grpo", "m2po") for w in ("last", "best")
-                                                  for b in ("tiny_eval", "avg")}
+    assert {(c[1], c[4], c[5]) for c in cells} == {(m, w, b) for m in ("grpo", "m2po")
+                                                  for w in ("score", "last", "best") for b in ("tiny_eval", "avg")}
     assert all(c[8] == "1" for c in cells)  # one run behind each cell
     for png in ("curves.png", "diagnostics.png"):
         assert (tmp_path / "r" / png).stat().st_size > 10_000

@@ -1,11 +1,14 @@
-"""`m2po report DIR... [--out OUT]`: a Table-1 style report of runs (held-out accuracy per benchmark and
-their average, at the last and the best evaluation, mean ± std over seeds, per method and staleness) as
-Markdown and CSV, and plots of accuracy, reward and the M2PO / clipping diagnostics against step."""
+"""`m2po report DIR... [--out OUT]`: a Table-1 style report of runs as Markdown and CSV: held-out accuracy
+per benchmark and their average, per method and staleness, as the score (the mean of each run's last 3
+evaluations), at the last and at the best evaluation (chosen on the test set; optimistic), each cell the
+mean over seeds ± its 95 % confidence interval; Welch's t-test of each stale group against on-policy GRPO
+and stale GRPO, and a Claims section that reads them; and plots of accuracy, reward and the M2PO /
+clipping diagnostics against step, as mean ± 95 % CI bands over seeds."""
 from __future__ import annotations
 
 
 def register(sub) -> None:
-    p = sub.add_parser("report", help="Table-1 style report of runs (Markdown, CSV, plots)", description=__doc__)
+    p = sub.add_parser("report", help="Table-1 style report of runs with CIs and significance tests (Markdown, CSV, plots)", description=__doc__)
     p.add_argument("dirs", nargs="+", metavar="DIR",
                    help="run directories, or directories holding them (e.g. a sweep's output_dir)")
     p.add_argument("--out", default=None, help="output directory (default: DIR/report for one DIR, else ./report)")

@@ -1,4 +1,6 @@
-"""Plot runs' metrics.jsonl (reward, accuracy, staleness against step), several runs overlaid."""
+"""Plot runs' metrics.jsonl against step: several runs overlaid (`m2po plot`: reward, accuracy, staleness), or
+groups of runs as their mean with a shaded 95 % confidence band over seeds (`m2po report`: held-out accuracy,
+train reward, and the M2PO / clipping diagnostics)."""
 from __future__ import annotations
 
 import fnmatch
@@ -8,7 +10,7 @@ from typing import Optional, Sequence, Union
 
 from m2po_megatron.run.metrics import read_metrics
 
-__all__ = ["DEFAULT_PANELS", "plot_runs", "read_metrics_file"]
+__all__ = ["DEFAULT_PANELS", "DIAGNOSTICS", "ci_band", "plot_groups", "plot_runs", "read_metrics_file"]
 
 PathLike = Union[str, Path]
 
@@ -18,6 +20,12 @@ DEFAULT_PANELS: list[tuple[str, list[list[str]]]] = [
     ("accuracy (pass@1)", [["eval/avg"], ["eval/*/pass@1"]]),
     ("staleness (updates)", [["staleness/mean", "staleness/max"]]),
 ]
+
+
+# The report's diagnostics panels: (title, metrics key, log scale).
+DIAGNOSTICS = [("M2 before masking", "m2po/m2_before", False), ("M2 after masking", "m2po/m2_after", False),
+               ("masked fraction", "m2po/masked_frac", False), ("clip fraction", "clip_frac", False),
+               ("ratio max", "ratio/max", True), ("ratio min", "ratio/min", True)]
 
 
 def _number(v) -> Optional[float]:
@@ -119,3 +127,106 @@ def plot_runs(run_dirs: Sequence[PathLike], out_path: PathLike, keys: Optional[S
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Groups of runs (m2po report)
+# ----------------------------------------------------------------------------------------------------
+def _smooth(series: dict[int, float], window: int) -> dict[int, float]:
+    """A run's trailing moving average over its own finite points (smoothed per run, before the band, so
+    the band is the interval of the smoothed curve)."""
+    pts = sorted((s, v) for s, v in series.items() if math.isfinite(v))
+    if window <= 1:
+        return dict(pts)
+    out = {}
+    for i, (s, _) in enumerate(pts):
+        part = [v for _, v in pts[max(0, i - window + 1): i + 1]]
+        out[s] = sum(part) / len(part)
+    return out
+
+
+def ci_band(series_list: Sequence[dict[int, float]]) -> tuple[list[int], list[float], list[float], list[float]]:
+    """(steps, mean, lo, hi) over the runs that have each step: the mean and its 95 % Student-t interval;
+    lo = hi = nan where fewer than 2 runs have the step (no band there)."""
+    from m2po_megatron.sweep.stats import mean_ci
+
+    steps = sorted({s for ser in series_list for s in ser})
+    xs, mean, lo, hi = [], [], [], []
+    for s in steps:
+        vals = [ser[s] for ser in series_list if s in ser and math.isfinite(ser[s])]
+        if vals:
+            ci = mean_ci(vals)
+            xs.append(s)
+            mean.append(ci.mean)
+            lo.append(ci.lo)
+            hi.append(ci.hi)
+    return xs, mean, lo, hi
+
+
+def _band(ax, series_list, color, label=None, log=False, **line):
+    xs, mean, lo, hi = ci_band(series_list)
+    if not xs:
+        return
+    if log:  # an interval reaching 0 or below has no place on a log axis: leave a gap there
+        lo = [v if v > 0 else math.nan for v in lo]
+    ax.plot(xs, mean, color=color, label=label, **line)
+    ax.fill_between(xs, lo, hi, color=color, alpha=0.18, linewidth=0)
+
+
+def plot_groups(groups, out_dir: PathLike, smooth: int = 5) -> list[Path]:
+    """curves.png (held-out accuracy: runs thin, group mean thick; train reward) and diagnostics.png (M2
+    before/after masking, masked and clip fractions, ratio extremes), one colour per group (anything with
+    `runs` of RunRecords, `label` and `model`), each shaded with its 95 % CI over runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    multi_model = len({g.model for g in groups}) > 1
+
+    def name(g):
+        return (f"{g.model} " if multi_model else "") + g.label
+
+    paths = []
+    fig, axes = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True)
+    for i, g in enumerate(groups):
+        c = colors[i % len(colors)]
+        accs = [{s: row["avg"] for s, row in r.evals.items() if "avg" in row} for r in g.runs]
+        for a in accs:
+            if a:
+                xs = sorted(a)
+                axes[0].plot(xs, [a[s] for s in xs], color=c, alpha=0.3, linewidth=0.8)
+        _band(axes[0], accs, c, f"{name(g)} (n={len(g.runs)})", linewidth=2, marker="o", markersize=3)
+        _band(axes[1], [_smooth(r.series.get("reward/mean", {}), smooth) for r in g.runs], c, name(g),
+              linewidth=1.5)
+    axes[0].set_title("held-out accuracy (benchmark average, pass@1 %): runs (thin), mean and 95 % CI over runs",
+                      fontsize=10)
+    axes[1].set_title(f"train reward ({smooth}-step moving average per run): mean and 95 % CI over runs", fontsize=10)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    paths.append(out_dir / "curves.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(3, 2, figsize=(12, 9), sharex=True)
+    for ax, (title, key, log) in zip(axes.flat, DIAGNOSTICS):
+        for i, g in enumerate(groups):
+            _band(ax, [_smooth(r.series.get(key, {}), smooth) for r in g.runs], colors[i % len(colors)], name(g),
+                  log=log, linewidth=1.2)
+        ax.set_title(f"{title} ({key}; mean, 95 % CI)", fontsize=9)
+        if log:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=7, loc="best")
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    paths.append(out_dir / "diagnostics.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths

@@ -1,14 +1,18 @@
-"""A Table-1 style report of finished runs: held-out accuracy per method and staleness, over seeds.
+"""A Table-1 style report of finished runs: held-out accuracy per method and staleness, over seeds, with
+confidence intervals, significance tests against GRPO and a "Claims" section.
 
 Each run directory holds the resolved `config.yaml` and `metrics.jsonl` that `m2po train` writes (eval rows
 carry `eval/<benchmark>/pass@1` and `eval/avg/pass@1`, in percent; a run evaluated afterwards by `m2po eval`
 may instead have `eval/summary.csv`). Runs are grouped by model, method (algo.name) and staleness (in
 optimizer updates: lag_steps x updates_per_step for fixed_lag, 0 on-policy, `<=max_staleness` for bounded);
 runs of one group that differ in anything but seeds, names and paths are split into variants, labelled by
-what differs. Per run, the **last** evaluation is the last eval row and the **best** is the eval row with the
-highest benchmark average after step 0 (the paper picks its best checkpoint by that average); per group,
-each cell is the mean and the sample standard deviation (n - 1) over its runs, and n, the number of runs
-behind the cell.
+what differs. Per run, the **score** is the mean of its last 3 evaluations after step 0 (fewer if it has
+fewer; n_evals says how many), the headline and the only number the tests use; the **last** evaluation is
+the last eval row, and the **best** the eval row with the highest benchmark average after step 0 (the
+paper's checkpoint choice: chosen on the test set, so optimistic). Per group, each cell is the mean over
+its runs with a 95 % Student-t interval (n - 1 dof), the sample standard deviation and n. Each stale group's
+score is compared with on-policy GRPO and with stale GRPO at its staleness by Welch's t-test
+(sweep/claims.py, sweep/stats.py); the plots (sweep/plot.py) show mean ± 95 % CI bands over seeds.
 """
 from __future__ import annotations
 
@@ -21,7 +25,9 @@ from typing import Optional, Sequence
 
 import yaml
 
-from m2po_megatron.sweep.plot import read_metrics_file
+from m2po_megatron.sweep import claims as cl
+from m2po_megatron.sweep import stats
+from m2po_megatron.sweep.plot import plot_groups, read_metrics_file
 
 METHOD_NAMES = {"grpo": "GRPO", "grpo_notr": "GRPO (no TR)", "gspo": "GSPO", "m2po": "M2PO"}
 METHOD_ORDER = ["grpo", "grpo_notr", "gspo", "m2po"]
@@ -30,9 +36,6 @@ BENCH_ORDER = ["aime24", "aime25", "amc23", "amc24", "math500", "gaokao2023en", 
 IGNORED = ("run.", "logging.", "checkpoint.", "cluster.ray_", "rollout.host", "rollout.port", "rollout.urls",
            "rollout.api_key", "data.shuffle_seed", "model.hf_path", "model.tokenizer", "model.megatron_ckpt",
            "data.train_path", "data.eval_paths")
-DIAGNOSTICS = [("M2 before masking", "m2po/m2_before", False), ("M2 after masking", "m2po/m2_after", False),
-               ("masked fraction", "m2po/masked_frac", False), ("clip fraction", "clip_frac", False),
-               ("ratio max", "ratio/max", True), ("ratio min", "ratio/min", True)]
 
 
 class ReportError(ValueError):
@@ -61,6 +64,10 @@ class Cell:
         return len(self.values)
 
     @property
+    def ci(self) -> stats.Interval:
+        return stats.mean_ci(self.values)
+
+    @property
     def mean(self) -> float:
         return statistics.fmean(self.values) if self.values else math.nan
 
@@ -69,9 +76,10 @@ class Cell:
         return statistics.stdev(self.values) if len(self.values) > 1 else math.nan
 
     def text(self) -> str:
+        """'mean ± half-width of the 95 % CI (n)'; one run: no interval."""
         if not self.values:
             return "-"
-        return f"{self.mean:.1f}" + (f" ± {self.std:.1f}" if self.n > 1 else "") + f" ({self.n})"
+        return f"{self.mean:.1f}" + (f" ± {self.ci.half:.1f}" if self.n > 1 else "") + f" ({self.n})"
 
 
 @dataclass
@@ -85,6 +93,9 @@ class Group:
     best: dict[str, Cell]
     best_step: Cell
     last_step: Cell
+    score: dict[str, Cell] = field(default_factory=dict)  # mean of each run's last 3 evaluations after step 0
+    n_evals: list[int] = field(default_factory=list)  # per run (in `runs` order): evaluations behind its score
+    context: dict = field(default_factory=dict)  # config apart from algo.* and staleness.*, to match references
 
     @property
     def label(self) -> str:
@@ -190,6 +201,10 @@ def _relevant(flat: dict) -> dict:
     return {k: v for k, v in flat.items() if not k.startswith(IGNORED)}
 
 
+def _context(flat: dict) -> dict:
+    return {k: repr(v) for k, v in _relevant(flat).items() if not k.startswith(("algo.", "staleness."))}
+
+
 def _assign_variants(records: list[RunRecord]) -> None:
     by_key: dict[tuple, list[RunRecord]] = {}
     for r in records:
@@ -226,9 +241,11 @@ def summarize(records: list[RunRecord]) -> list[Group]:
         groups.setdefault((r.model, r.method, r.staleness, r.variant), []).append(r)
     out = []
     for (model, method, s, variant), rs in groups.items():
+        rs = sorted(rs, key=lambda r: (r.seed or 0, str(r.path)))
         last = {b: Cell() for b in benches}
         best = {b: Cell() for b in benches}
-        best_step, last_step = Cell(), Cell()
+        score = {b: Cell() for b in benches}
+        best_step, last_step, n_evals = Cell(), Cell(), []
         for r in rs:
             ls, bs = last_and_best(r.evals)
             if ls is not None:
@@ -241,8 +258,13 @@ def summarize(records: list[RunRecord]) -> list[Group]:
                 for b in benches:
                     if b in r.evals[bs]:
                         best[b].values.append(r.evals[bs][b])
-        out.append(Group(model, method, s, variant, sorted(rs, key=lambda r: (r.seed or 0, str(r.path))), last,
-                         best, best_step, last_step))
+            sc, n = stats.score(r.evals)
+            n_evals.append(n)
+            for b in benches:
+                if b in sc:
+                    score[b].values.append(sc[b])
+        out.append(Group(model, method, s, variant, rs, last, best, best_step, last_step, score, n_evals,
+                         _context(rs[0].flat)))
 
     def order(g: Group):
         s = g.staleness.lstrip("<=")
@@ -255,140 +277,90 @@ def summarize(records: list[RunRecord]) -> list[Group]:
 # ----------------------------------------------------------------------------------------------------
 # Output
 # ----------------------------------------------------------------------------------------------------
-def markdown(groups: list[Group]) -> str:
+TITLES = {
+    "score": f"score: the mean of each run's last {stats.SCORE_EVALS} evaluations after step 0 (fewer if it has "
+             f"fewer; `evals`: how many)",
+    "last": "at the last evaluation",
+    "best": "at the best eval (chosen on the test set; optimistic): the highest benchmark average after step 0",
+}
+
+
+def _per_run(g: Group, when: str) -> str:
+    vals = []
+    for r in g.runs:
+        if when == "score":
+            v = stats.score(r.evals)[0].get("avg")
+        else:
+            ls, _ = last_and_best(r.evals)
+            v = r.evals[ls].get("avg") if ls is not None else None
+        vals.append("-" if v is None else f"{v:.1f}")
+    return ", ".join(vals)
+
+
+def markdown(groups: list[Group], comps: Optional[dict] = None) -> str:
+    """The score table (with the Welch tests), the Claims section, and the last and best tables."""
     if not groups:
         return "(no runs)\n"
+    comps = cl.compare(groups) if comps is None else comps
     benches = list(groups[0].last)
     multi_model = len({g.model for g in groups}) > 1
     head_cols = (["model"] if multi_model else []) + ["method", "s"]
-    out = []
-    for when, title in (("last", "at the last evaluation"),
-                        ("best", "at the best evaluation (highest benchmark average after step 0)")):
-        out.append(f"Held-out pass@1 (%) {title}: mean ± std over runs (n runs)\n")
-        cols = head_cols + [("Avg" if b == "avg" else b) for b in benches] + ["step"]
-        if when == "last":
-            cols.append("Avg per run (last)")
+    out = [f"Cells: mean ± half-width of the 95 % confidence interval of the mean over runs (Student t, n - 1 "
+           f"dof), with n runs in brackets; one run, no interval (report.csv also has the standard deviation). Δ: the group's score (benchmark average) minus "
+           f"the reference's, [its 95 % CI] by Welch-Satterthwaite, and the two-sided p-value of Welch's t-test "
+           f"(* : the reference differs in config, see report.csv); n/a: no test, and why.\n"]
+    for when in ("score", "last", "best"):
+        out.append(f"Held-out pass@1 (%) {TITLES[when]}\n")
+        cols = head_cols + [("Avg" if b == "avg" else b) for b in benches]
+        cols += (["evals", "Avg per run (score)"] + [f"Δ vs {v}" for v in cl.REFS.values()] if when == "score"
+                 else ["step"] + (["Avg per run (last)"] if when == "last" else []))
         out.append("| " + " | ".join(cols) + " |")
         out.append("|" + "---|" * len(cols))
         for g in groups:
             cells = getattr(g, when)
-            step = g.last_step if when == "last" else g.best_step
             row = ([g.model] if multi_model else []) + [
                 METHOD_NAMES.get(g.method, g.method) + (f" ({g.variant})" if g.variant else ""), g.staleness]
             row += [cells[b].text() for b in benches]
-            row.append(f"{step.mean:.0f}" if step.values else "-")
-            if when == "last":
-                per_run = []
-                for r in g.runs:
-                    ls, _ = last_and_best(r.evals)
-                    per_run.append(f"{r.evals[ls]['avg']:.1f}" if ls is not None and "avg" in r.evals[ls] else "-")
-                row.append(", ".join(per_run))
+            if when == "score":
+                row.append(str(g.n_evals[0]) if len(set(g.n_evals)) == 1 else ", ".join(map(str, g.n_evals)))
+                row.append(_per_run(g, when))
+                row += [cl.cell(comps.get(id(g), {}).get(k)) for k in cl.REFS]  # "-": no such test
+            else:
+                step = g.last_step if when == "last" else g.best_step
+                row.append(f"{step.mean:.0f}" if step.values else "-")
+                if when == "last":
+                    row.append(_per_run(g, when))
             out.append("| " + " | ".join(row) + " |")
         out.append("")
+        if when == "score":
+            text = cl.claims(groups, comps)
+            if text:
+                out.append(text)
     return "\n".join(out)
 
 
-def write_csv(groups: list[Group], path: Path) -> Path:
-    """Long format: one line per group x (last | best) x benchmark, with mean, std, n and the run values."""
+def write_csv(groups: list[Group], path: Path, comps: Optional[dict] = None) -> Path:
+    """Long format: one line per group x (score | last | best) x benchmark: mean, std, n, the 95 % interval
+    (ci_half, ci_lo, ci_hi), n_evals (per run, score lines), the run values and directories, and for the
+    score lines of stale groups the Welch tests against each reference (vs_onpolicy_*, vs_stale_grpo_*:
+    reference label, diff, its CI lo and hi, dof, two-sided p, one-sided p for diff < 0, note)."""
+    comps = cl.compare(groups) if comps is None else comps
+    num = (lambda x: "" if math.isnan(x) else f"{x:.6g}")
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["model", "method", "staleness", "variant", "eval", "benchmark", "mean", "std", "n",
-                    "values", "runs"])
+        w.writerow(["model", "method", "staleness", "variant", "eval", "benchmark", "mean", "std", "n", "ci_half",
+                    "ci_lo", "ci_hi", "n_evals", "values", "runs"] + cl.csv_columns())
         for g in groups:
             runs = ";".join(str(r.path) for r in g.runs)
-            for when in ("last", "best"):
+            for when in ("score", "last", "best"):
                 for b, c in getattr(g, when).items():
-                    w.writerow([g.model, g.method, g.staleness, g.variant, when, b,
-                                "" if not c.values else f"{c.mean:.6g}", "" if c.n < 2 else f"{c.std:.6g}", c.n,
-                                ";".join(f"{v:.6g}" for v in c.values), runs])
+                    ci = c.ci
+                    w.writerow([g.model, g.method, g.staleness, g.variant, when, b, num(ci.mean), num(ci.std), c.n,
+                                num(ci.half), num(ci.lo), num(ci.hi),
+                                ";".join(map(str, g.n_evals)) if when == "score" else "",
+                                ";".join(f"{v:.6g}" for v in c.values), runs]
+                               + (cl.csv_values(comps.get(id(g)), b) if when == "score" else cl.csv_values(None, b)))
     return path
-
-
-def _mean_curve(series_list: list[dict[int, float]]) -> tuple[list[int], list[float], list[float], list[float]]:
-    steps = sorted({s for ser in series_list for s in ser})
-    xs, mean, lo, hi = [], [], [], []
-    for s in steps:
-        vals = [ser[s] for ser in series_list if s in ser and math.isfinite(ser[s])]
-        if vals:
-            xs.append(s)
-            mean.append(statistics.fmean(vals))
-            lo.append(min(vals))
-            hi.append(max(vals))
-    return xs, mean, lo, hi
-
-
-def _smooth(ys: list[float], window: int) -> list[float]:
-    if window <= 1:
-        return ys
-    out = []
-    for i in range(len(ys)):
-        part = ys[max(0, i - window + 1): i + 1]
-        out.append(statistics.fmean(part))
-    return out
-
-
-def plot(groups: list[Group], out_dir: Path, smooth: int = 5) -> list[Path]:
-    """curves.png (held-out accuracy per run and mean; reward) and diagnostics.png (M2 before/after masking,
-    masked and clip fractions, ratio extremes), one colour per group; shaded: min..max over its runs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    multi_model = len({g.model for g in groups}) > 1
-
-    def name(g):
-        return (f"{g.model} " if multi_model else "") + g.label
-
-    paths = []
-    fig, axes = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True)
-    for i, g in enumerate(groups):
-        c = colors[i % len(colors)]
-        accs = [{s: row["avg"] for s, row in r.evals.items() if "avg" in row} for r in g.runs]
-        for a in accs:
-            if a:
-                xs = sorted(a)
-                axes[0].plot(xs, [a[s] for s in xs], color=c, alpha=0.3, linewidth=0.8)
-        xs, mean, _, _ = _mean_curve(accs)
-        if xs:
-            axes[0].plot(xs, mean, color=c, linewidth=2, marker="o", markersize=3, label=f"{name(g)} (n={len(g.runs)})")
-        xs, mean, lo, hi = _mean_curve([r.series.get("reward/mean", {}) for r in g.runs])
-        if xs:
-            axes[1].plot(xs, _smooth(mean, smooth), color=c, linewidth=1.5, label=name(g))
-            axes[1].fill_between(xs, _smooth(lo, smooth), _smooth(hi, smooth), color=c, alpha=0.15)
-    axes[0].set_title("held-out accuracy (benchmark average, pass@1 %): runs (thin) and mean (thick)", fontsize=10)
-    axes[1].set_title(f"train reward (mean over runs, {smooth}-step moving average; band: min..max)", fontsize=10)
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-    axes[-1].set_xlabel("step")
-    fig.tight_layout()
-    paths.append(out_dir / "curves.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(3, 2, figsize=(12, 9), sharex=True)
-    for ax, (title, key, log) in zip(axes.flat, DIAGNOSTICS):
-        for i, g in enumerate(groups):
-            xs, mean, lo, hi = _mean_curve([r.series.get(key, {}) for r in g.runs])
-            if not xs:
-                continue
-            c = colors[i % len(colors)]
-            ax.plot(xs, _smooth(mean, smooth), color=c, linewidth=1.2, label=name(g))
-            ax.fill_between(xs, _smooth(lo, smooth), _smooth(hi, smooth), color=c, alpha=0.12)
-        ax.set_title(f"{title} ({key})", fontsize=9)
-        if log:
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=7, loc="best")
-    for ax in axes[-1]:
-        ax.set_xlabel("step")
-    fig.tight_layout()
-    paths.append(out_dir / "diagnostics.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-    return paths
 
 
 def _run_note(r: RunRecord) -> str:
@@ -404,11 +376,12 @@ def make_report(dirs: Sequence[str | Path], out_dir: str | Path, plots: bool = T
     groups = summarize(records)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    comps = cl.compare(groups)
     md = out / "report.md"
-    md.write_text(f"# Report of {len(records)} runs\n\n" + markdown(groups)
+    md.write_text(f"# Report of {len(records)} runs\n\n" + markdown(groups, comps)
                   + "\nRuns:\n" + "".join(f"- {g.label}: {', '.join(_run_note(r) for r in g.runs)}\n" for g in groups))
-    paths = {"markdown": md, "csv": write_csv(groups, out / "report.csv")}
+    paths = {"markdown": md, "csv": write_csv(groups, out / "report.csv", comps)}
     if plots:
-        curves, diagnostics = plot(groups, out)
+        curves, diagnostics = plot_groups(groups, out)
         paths.update(curves=curves, diagnostics=diagnostics)
     return paths
