@@ -70,14 +70,57 @@ def _check_reload(out: Path, tok, rows: list[dict]) -> None:
                                "differently from the one used for the warm-up")
 
 
+def check_split_sizes(spec: SumSpec, n_eval: int, n_calibration: int, n_train: int, disjoint_train: bool,
+                      batch_size: int) -> None:
+    """Refuse split sizes the spec's problem space cannot hold, naming the builder's flags and the fix."""
+    sizes = {"n_eval (--n-eval)": n_eval, "n_calibration (--n-calibration)": n_calibration,
+             "n_train (--n-train)": n_train}
+    for name, n in sizes.items():
+        if n < 1:
+            raise ValueError(f"{name} must be at least 1, got {n}")
+    used = n_eval + n_calibration + n_train
+    split = f"n_eval {n_eval} + n_calibration {n_calibration} + n_train {n_train} = {used}"
+    if not disjoint_train and used > spec.space:
+        raise ValueError(f"{split} distinct problems, but the spec has only {spec.space:,}; lower --n-train, "
+                         "--n-eval or --n-calibration")
+    if disjoint_train and spec.space - used < batch_size:
+        room = spec.space - n_eval - n_calibration - batch_size
+        fix = (f"lower --n-train to at most {room} (or --n-eval / --n-calibration)" if room >= 1
+               else "lower --n-eval or --n-calibration")
+        raise ValueError(f"with --disjoint-train the warm-up draws from the problems left after eval, calibration "
+                         f"and train: {split} leaves {spec.space - used} of the spec's {spec.space:,}, fewer than "
+                         f"one warm-up batch ({batch_size}); {fix}, or drop --disjoint-train")
+
+
+SPLITS = ("eval", "calibration", "train", "warmup")
+
+
+def task_splits(seed: int, spec: SumSpec, n_eval: int, n_calibration: int, n_train: int, max_warmup: int,
+                disjoint_train: bool = False) -> dict[str, list[dict]]:
+    """The task's problems by split (SPLITS), before the chat template. Eval and calibration are held out
+    from everything; the warm-up (up to ``max_warmup`` problems) shares problems with RL train unless
+    ``disjoint_train``, which gives it only problems outside the other three (RL then trains on problems the
+    warm-up never saw). The draws of eval, calibration and train do not depend on ``disjoint_train``."""
+    eval_rows = generate_problems(n_eval, seed, spec, split="eval")
+    held_out = {r["problem"] for r in eval_rows}
+    calib_rows = generate_problems(n_calibration, seed, spec, exclude=held_out, split="calibration")
+    held_out |= {r["problem"] for r in calib_rows}
+    train_rows = generate_problems(n_train, seed, spec, exclude=held_out, split="train")
+    warm_excluded = held_out | {r["problem"] for r in train_rows} if disjoint_train else held_out
+    n_warm = min(max_warmup, spec.space - len(warm_excluded))
+    warm_rows = generate_problems(n_warm, seed, spec, exclude=warm_excluded, split="warmup")
+    return dict(zip(SPLITS, (eval_rows, calib_rows, train_rows, warm_rows)))
+
+
 def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n_eval: int = 128,
                     spec: SumSpec = DEFAULT_SPEC, model: TinyModelSpec = TinyModelSpec(),
                     target_accuracy: float = 0.25, max_warmup_steps: int = 600, check_every: int = 20,
                     n_calibration: int = 128, batch_size: int = 32, lr: float = 3e-3,
-                    log=print) -> TinyTaskPaths:
+                    disjoint_train: bool = False, log=print) -> TinyTaskPaths:
     """Write tokenizer, a warmed-up tiny Qwen2 (safetensors), train/eval JSONL and build_info.json to
     ``out_dir``; return their paths. Eval and calibration problems are disjoint from each other and
-    from the warm-up and train problems."""
+    from the warm-up and train problems. The warm-up may see the RL train problems unless
+    ``disjoint_train``, which draws the warm-up from the problems left after eval, calibration and train."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -85,6 +128,7 @@ def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n
 
     if not 0 < target_accuracy < 1:
         raise ValueError(f"target_accuracy must be in (0, 1), got {target_accuracy}")
+    check_split_sizes(spec, n_eval, n_calibration, n_train, disjoint_train, batch_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
@@ -92,14 +136,9 @@ def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n
     torch.set_num_threads(1)  # determinism across machines, and fairness on a shared one
     try:
         tok = build_tiny_tokenizer()
-        # eval and calibration are held out from everything; warm-up and RL train may share problems
-        eval_rows = generate_problems(n_eval, seed, spec, split="eval")
-        held_out = {r["problem"] for r in eval_rows}
-        calib_rows = generate_problems(n_calibration, seed, spec, exclude=held_out, split="calibration")
-        held_out |= {r["problem"] for r in calib_rows}
-        train_rows = generate_problems(n_train, seed, spec, exclude=held_out, split="train")
-        n_warm = min(max_warmup_steps * batch_size, 20000, spec.space - len(held_out))
-        warm_rows = generate_problems(n_warm, seed, spec, exclude=held_out, split="warmup")
+        splits = task_splits(seed, spec, n_eval, n_calibration, n_train,
+                             min(max_warmup_steps * batch_size, 20000), disjoint_train)
+        eval_rows, calib_rows, train_rows, warm_rows = (splits[k] for k in SPLITS)
         for rows in (eval_rows, train_rows, calib_rows, warm_rows):
             for r in rows:  # the training format's prompt is the final text fed to the tokenizer
                 r["prompt"] = chat_prompt(tok, r["prompt"])
@@ -165,7 +204,8 @@ def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n
                     f.write(json.dumps(r) + "\n")
         info = {"seed": seed, "spec": asdict(spec), "model": asdict(model), "warmup_steps": step,
                 "target_accuracy": target_accuracy, "eval_sampled_accuracy": eval_acc,
-                "history": history, "n_train": n_train, "n_eval": n_eval,
+                "history": history, "n_train": n_train, "n_eval": n_eval, "n_calibration": n_calibration,
+                "disjoint_train": disjoint_train, "n_warmup_problems": len(warm_rows),
                 "build_seconds": round(time.monotonic() - t_start, 1),
                 "parameters": sum(p.numel() for p in lm.parameters())}
         (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
