@@ -7,6 +7,7 @@ checked by the same math-verify reward as the real recipe. Rows are in the proje
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -35,7 +36,11 @@ class SumSpec:
 
 
 def make_problem(rng: random.Random, spec: SumSpec = SumSpec()) -> dict:
-    terms = [rng.randint(0, spec.max_value) for _ in range(rng.randint(spec.min_terms, spec.max_terms))]
+    """The number of terms first (uniform), then the terms: each 2-term sum is far likelier than each 3-term one."""
+    return problem_of([rng.randint(0, spec.max_value) for _ in range(rng.randint(spec.min_terms, spec.max_terms))])
+
+
+def problem_of(terms: list[int]) -> dict:
     steps, acc = [], terms[0]
     for t in terms[1:]:
         steps.append(f"{acc}+{t}={acc + t}")
@@ -58,6 +63,21 @@ def generate_problems(n: int, seed: int, spec: SumSpec = SumSpec(), exclude: set
         if p["problem"] in taken:
             continue
         taken.add(p["problem"])
-        rows.append({"id": f"{SOURCE}/{split}/{len(rows):05d}", "prompt": TEMPLATE.format(problem=p["problem"]),
-                     "answer": p["answer"], "source": SOURCE, **{k: p[k] for k in ("problem", "solution")}})
+        rows.append(as_row(p, split, len(rows)))
     return rows
+
+
+def as_row(p: dict, split: str, index: int) -> dict:
+    """A problem in the training format (id, prompt, answer, source) plus its problem and worked solution."""
+    return {"id": f"{SOURCE}/{split}/{index:05d}", "prompt": TEMPLATE.format(problem=p["problem"]),
+            "answer": p["answer"], "source": SOURCE, **{k: p[k] for k in ("problem", "solution")}}
+
+
+def shuffled_space(seed: int, spec: SumSpec = SumSpec()) -> list[dict]:
+    """Every distinct problem of ``spec`` once, in a seeded random order: consecutive slices of it are
+    disjoint splits with the same mix of term counts (unlike draws by make_problem, which exhaust the few
+    2-term sums first)."""
+    space = [problem_of(list(t)) for k in range(spec.min_terms, spec.max_terms + 1)
+             for t in itertools.product(range(spec.max_value + 1), repeat=k)]
+    random.Random(f"{seed}/space").shuffle(space)
+    return space

@@ -8,13 +8,14 @@ model that is sometimes right and has room to improve. Everything is local and d
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .synthetic import SumSpec, generate_problems
+from .synthetic import SumSpec, as_row, generate_problems, shuffled_space
 
 TRAIN_FILE, EVAL_FILE, INFO_FILE = "train.jsonl", "eval.jsonl", "build_info.json"
 
@@ -70,14 +71,80 @@ def _check_reload(out: Path, tok, rows: list[dict]) -> None:
                                "differently from the one used for the warm-up")
 
 
+def check_split_sizes(spec: SumSpec, n_eval: int, n_calibration: int, n_train: int, disjoint_train: bool,
+                      batch_size: int) -> None:
+    """Refuse split sizes the spec's problem space cannot hold, naming the builder's flags and the fix."""
+    sizes = {"n_eval (--n-eval)": n_eval, "n_calibration (--n-calibration)": n_calibration,
+             "n_train (--n-train)": n_train}
+    for name, n in sizes.items():
+        if n < 1:
+            raise ValueError(f"{name} must be at least 1, got {n}")
+    used = n_eval + n_calibration + n_train
+    split = f"n_eval {n_eval} + n_calibration {n_calibration} + n_train {n_train} = {used}"
+    if not disjoint_train and used > spec.space:
+        raise ValueError(f"{split} distinct problems, but the spec has only {spec.space:,}; lower --n-train, "
+                         "--n-eval or --n-calibration")
+    if disjoint_train and spec.space - used < batch_size:
+        room = spec.space - n_eval - n_calibration - batch_size
+        fix = (f"lower --n-train to at most {room} (or --n-eval / --n-calibration)" if room >= 1
+               else "lower --n-eval or --n-calibration")
+        raise ValueError(f"with --disjoint-train the warm-up draws from the problems left after eval, calibration "
+                         f"and train: {split} leaves {spec.space - used} of the spec's {spec.space:,}, fewer than "
+                         f"one warm-up batch ({batch_size}); {fix}, or drop --disjoint-train")
+
+
+SPLITS = ("eval", "calibration", "train", "warmup")
+
+
+def task_splits(seed: int, spec: SumSpec, n_eval: int, n_calibration: int, n_train: int, max_warmup: int,
+                disjoint_train: bool = False, uniform_splits: bool = False) -> dict[str, list[dict]]:
+    """The task's problems by split (SPLITS), before the chat template. Eval and calibration are held out
+    from everything; the warm-up (up to ``max_warmup`` problems) shares problems with RL train unless
+    ``disjoint_train``, which gives it only problems outside the other three (RL then trains on problems the
+    warm-up never saw). The draws of eval, calibration and train do not depend on ``disjoint_train``.
+
+    By default each split is drawn by make_problem (term count first), so eval, drawn first, takes most of the
+    100 two-term sums and a disjoint warm-up gets none. ``uniform_splits`` instead cuts consecutive slices of
+    the whole problem space in a seeded random order: every split then has the space's mix of term counts."""
+    if uniform_splits:
+        return _uniform_splits(seed, spec, (n_eval, n_calibration, n_train), max_warmup, disjoint_train)
+    eval_rows = generate_problems(n_eval, seed, spec, split="eval")
+    held_out = {r["problem"] for r in eval_rows}
+    calib_rows = generate_problems(n_calibration, seed, spec, exclude=held_out, split="calibration")
+    held_out |= {r["problem"] for r in calib_rows}
+    train_rows = generate_problems(n_train, seed, spec, exclude=held_out, split="train")
+    warm_excluded = held_out | {r["problem"] for r in train_rows} if disjoint_train else held_out
+    n_warm = min(max_warmup, spec.space - len(warm_excluded))
+    warm_rows = generate_problems(n_warm, seed, spec, exclude=warm_excluded, split="warmup")
+    return dict(zip(SPLITS, (eval_rows, calib_rows, train_rows, warm_rows)))
+
+
+def _uniform_splits(seed: int, spec: SumSpec, sizes: tuple[int, int, int], max_warmup: int,
+                    disjoint_train: bool) -> dict[str, list[dict]]:
+    if spec.space > 10**6:
+        raise ValueError(f"uniform_splits (--uniform-splits) enumerates the spec's {spec.space:,} problems; use a "
+                         "spec with at most 1,000,000 or drop the option")
+    space = shuffled_space(seed, spec)
+    cuts = [0, *itertools.accumulate(sizes)]
+    held = [space[a:b] for a, b in zip(cuts, cuts[1:])]
+    # not disjoint: the warm-up draws from everything but eval and calibration, train included
+    pool = space[cuts[-1]:] if disjoint_train else space[cuts[2]:]
+    if not disjoint_train:
+        random.Random(f"{seed}/warmup").shuffle(pool)  # so that train is not simply the warm-up's first slice
+    out = dict(zip(SPLITS, [*held, pool[:max_warmup]]))
+    return {k: [as_row(p, k, i) for i, p in enumerate(rows)] for k, rows in out.items()}
+
+
 def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n_eval: int = 128,
                     spec: SumSpec = DEFAULT_SPEC, model: TinyModelSpec = TinyModelSpec(),
                     target_accuracy: float = 0.25, max_warmup_steps: int = 600, check_every: int = 20,
                     n_calibration: int = 128, batch_size: int = 32, lr: float = 3e-3,
-                    log=print) -> TinyTaskPaths:
+                    disjoint_train: bool = False, uniform_splits: bool = False, log=print) -> TinyTaskPaths:
     """Write tokenizer, a warmed-up tiny Qwen2 (safetensors), train/eval JSONL and build_info.json to
     ``out_dir``; return their paths. Eval and calibration problems are disjoint from each other and
-    from the warm-up and train problems."""
+    from the warm-up and train problems. The warm-up may see the RL train problems unless
+    ``disjoint_train``, which draws the warm-up from the problems left after eval, calibration and train;
+    ``uniform_splits`` gives every split the same mix of 2- and 3-term sums (see task_splits)."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -85,6 +152,9 @@ def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n
 
     if not 0 < target_accuracy < 1:
         raise ValueError(f"target_accuracy must be in (0, 1), got {target_accuracy}")
+    if check_every < 1:
+        raise ValueError(f"check_every (--check-every) must be at least 1, got {check_every}")
+    check_split_sizes(spec, n_eval, n_calibration, n_train, disjoint_train, batch_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
@@ -92,14 +162,9 @@ def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n
     torch.set_num_threads(1)  # determinism across machines, and fairness on a shared one
     try:
         tok = build_tiny_tokenizer()
-        # eval and calibration are held out from everything; warm-up and RL train may share problems
-        eval_rows = generate_problems(n_eval, seed, spec, split="eval")
-        held_out = {r["problem"] for r in eval_rows}
-        calib_rows = generate_problems(n_calibration, seed, spec, exclude=held_out, split="calibration")
-        held_out |= {r["problem"] for r in calib_rows}
-        train_rows = generate_problems(n_train, seed, spec, exclude=held_out, split="train")
-        n_warm = min(max_warmup_steps * batch_size, 20000, spec.space - len(held_out))
-        warm_rows = generate_problems(n_warm, seed, spec, exclude=held_out, split="warmup")
+        splits = task_splits(seed, spec, n_eval, n_calibration, n_train,
+                             min(max_warmup_steps * batch_size, 20000), disjoint_train, uniform_splits)
+        eval_rows, calib_rows, train_rows, warm_rows = (splits[k] for k in SPLITS)
         for rows in (eval_rows, train_rows, calib_rows, warm_rows):
             for r in rows:  # the training format's prompt is the final text fed to the tokenizer
                 r["prompt"] = chat_prompt(tok, r["prompt"])
@@ -164,8 +229,10 @@ def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n
                 for r in rows:
                     f.write(json.dumps(r) + "\n")
         info = {"seed": seed, "spec": asdict(spec), "model": asdict(model), "warmup_steps": step,
-                "target_accuracy": target_accuracy, "eval_sampled_accuracy": eval_acc,
-                "history": history, "n_train": n_train, "n_eval": n_eval,
+                "target_accuracy": target_accuracy, "check_every": check_every, "eval_sampled_accuracy": eval_acc,
+                "history": history, "n_train": n_train, "n_eval": n_eval, "n_calibration": n_calibration,
+                "disjoint_train": disjoint_train, "uniform_splits": uniform_splits,
+                "n_warmup_problems": len(warm_rows),
                 "build_seconds": round(time.monotonic() - t_start, 1),
                 "parameters": sum(p.numel() for p in lm.parameters())}
         (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")

@@ -1,9 +1,18 @@
 """Evaluation during a run: avg@k pass@1 per benchmark through the rollout servers, printed and logged."""
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from omegaconf import DictConfig
+
+
+def eval_seed(run_seed: int, step: int) -> int:
+    """The base sampling seed of the evaluation at ``step`` of a run seeded ``run_seed``: 62 bits of a hash,
+    so that runs and steps draw unrelated samples (a sum such as run_seed + 7919 * step let runs with
+    neighbouring seeds share most per-sample seeds), and a resumed run evaluates with the same seeds."""
+    digest = hashlib.blake2b(f"m2po-eval/{int(run_seed)}/{int(step)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2
 
 
 class Evaluator:
@@ -29,7 +38,7 @@ class Evaluator:
         from m2po_megatron.eval.rollout_generate import rollout_generate_fn
 
         cfg, e = self.cfg, self.cfg.eval
-        res = run_eval(rollout_generate_fn(self.client, seed=cfg.run.seed + 7919 * step), self.tokenizer,
+        res = run_eval(rollout_generate_fn(self.client, seed=eval_seed(cfg.run.seed, step)), self.tokenizer,
                        self.eval_sets, temperature=e.temperature, top_p=e.top_p,
                        max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
                        reward_pool=self.rewards, out_dir=self.rdir, step=step)

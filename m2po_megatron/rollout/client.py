@@ -61,6 +61,12 @@ def version_to_int(v: Any, default: int = 0) -> int:
         return default
 
 
+def sample_seeds(seed: int | None, n: int) -> list[int]:
+    """The sampling_seed of each of a request's n samples: seed + i (mod 2**63, inside SGLang's int64 range),
+    or random 62-bit seeds without one."""
+    return [(seed + i) % 2**63 if seed is not None else random.getrandbits(62) for i in range(n)]
+
+
 def build_generate_body(prompt_ids: Sequence[int], sampling_params: dict | None, rid: str,
                         return_logprob: bool = True) -> dict:
     """The /generate body for one sample (n is expanded by the client). Raises ProtocolError early for what
@@ -229,11 +235,8 @@ class RolloutClient:
         every unseeded request the same seed (42) and so the same sample."""
         sp = dict(sampling_params or {})
         n = int(sp.pop("n", n) if n == 1 else n)
-        seed = sp.get("sampling_seed")
-        bodies = []
-        for i in range(n):
-            spi = dict(sp, sampling_seed=(seed + i if seed is not None else random.getrandbits(62)) % 2**63)
-            bodies.append(build_generate_body(prompt_ids, spi, uuid.uuid4().hex, return_logprob))
+        bodies = [build_generate_body(prompt_ids, dict(sp, sampling_seed=s), uuid.uuid4().hex, return_logprob)
+                  for s in sample_seeds(sp.get("sampling_seed"), n)]
         self.stats.requests += n
         out = await asyncio.gather(*(self._post_generate(b) for b in bodies))
         results = [self._parse(r, url) for r, url in out]
