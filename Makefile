@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-sglang setup clean toy-table1
+.PHONY: demo test test-sglang setup clean toy-table1 toy-table1-fair
 
 setup:
 	@VENV=$(VENV) tools/bootstrap.sh
@@ -16,6 +16,13 @@ toy-table1: setup
 	@test -f .cache/tiny-task-toy/build_info.json || $(PY) tools/build_tiny_model.py .cache/tiny-task-toy --seed 0 --target-accuracy 0.4
 	$(PY) -m m2po_megatron.cli sweep recipes/sweeps/toy-table1.yaml --local -j 2
 	$(PY) -m m2po_megatron.cli report runs/toy-table1 --out runs/toy-table1/report
+
+# The same under the paper's ratios (docs/reproduce.md, "The fair protocol"): 31 runs, 2 at a time, resumable.
+toy-table1-fair: setup
+	@test -f .cache/tiny-task-fair/build_info.json || $(PY) tools/build_tiny_model.py .cache/tiny-task-fair --seed 0 \
+		--target-accuracy 0.35 --check-every 10 --n-eval 256 --n-train 256 --disjoint-train --uniform-splits
+	$(PY) -m m2po_megatron.cli sweep recipes/sweeps/toy-table1-fair.yaml --local -j 2
+	$(PY) -m m2po_megatron.cli report runs/toy-table1-fair --out runs/toy-table1-fair/report
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

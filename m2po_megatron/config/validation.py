@@ -258,6 +258,7 @@ _TINY_TASK_BUILDERS = {
     ".cache/tiny-task": "`m2po demo` (or `make demo`)",
     ".cache/tiny-task-toy": "`make toy-table1` (or `python tools/build_tiny_model.py .cache/tiny-task-toy --seed 0 "
                            "--target-accuracy 0.4`)",
+    ".cache/tiny-task-fair": "`make toy-table1-fair` (its first line builds it: see the Makefile)",
 }
 
 

@@ -216,6 +216,9 @@ def test_a_missing_tiny_task_names_the_command_that_builds_that_directory(tmp_pa
            "data.eval_paths=[.cache/tiny-task-toy/eval.jsonl]"]
     msg = err(tmp_path, toy, recipe="tiny-cpu")
     assert "the tiny task .cache/tiny-task-toy is built by `make toy-table1`" in msg and "m2po demo" not in msg
+    fair = [o.replace("tiny-task-toy", "tiny-task-fair") for o in toy]
+    assert "the tiny task .cache/tiny-task-fair is built by `make toy-table1-fair`" in err(tmp_path, fair,
+                                                                                          recipe="tiny-cpu")
     other = [o.replace("tiny-task-toy", "tiny-task-seed3") for o in toy]
     msg = err(tmp_path, other, recipe="tiny-cpu")
     assert "`python tools/build_tiny_model.py .cache/tiny-task-seed3 --seed 0`" in msg
