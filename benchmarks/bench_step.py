@@ -1,5 +1,5 @@
-"""Where a tiny-cpu step's wall time goes, measured on the real run: `m2po train tiny-cpu` (local Ray, two
-Megatron ranks TP2 over gloo, one CPU rollout server, the reward pool) for `--steps` steps; the first
+"""Where a tiny-cpu step's wall time goes, measured on the real run: `m2po train tiny-cpu` (local Ray, the
+recipe's Megatron ranks, one CPU rollout server, the reward pool) for `--steps` steps; the first
 `--skip` steps (start-up, compile and cache warm-up) are left out of the means.
 
     .venv/bin/python benchmarks/bench_step.py [--steps 8] [--skip 3] [--task-dir .cache/tiny-task]
