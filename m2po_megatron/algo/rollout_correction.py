@@ -217,7 +217,8 @@ def _masked_quantiles(x: Tensor, valid: Tensor, n: Tensor, qs) -> Tensor:
         return torch.full((len(qs) + 2,), math.nan, dtype=f64, device=x.device)
     xs = torch.sort(torch.where(valid, x, torch.full_like(x, math.inf))).values
     last = (n - 1).clamp(min=0)
-    pos = torch.tensor((0.0, *qs, 1.0), dtype=f64, device=x.device) * last.to(f64)
+    last_f = last.to(f64)
+    pos = torch.stack([last_f * q for q in (0.0, *qs, 1.0)])  # no torch.tensor: a host-to-device copy syncs
     lo = pos.floor().long().clamp(max=last)
     hi = (lo + 1).clamp(max=last)
     vlo, vhi = xs.gather(0, lo), xs.gather(0, hi)

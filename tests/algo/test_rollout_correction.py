@@ -212,6 +212,27 @@ def test_read_stats_reads_several_at_once():
     assert out[3]["ratio_parts/drift_m2"] == 0
 
 
+def test_no_host_read_in_the_compute_path(monkeypatch):
+    # CPU stand-in for the CUDA sync check below: every Python-level read of a tensor's value (bool, item,
+    # int, float, tolist) and every torch.tensor (a host-to-device copy on CUDA) raises while the functions run.
+    p, b, mask = random_batch(4)
+    ids = torch.arange(p.shape[0]).unsqueeze(1).expand_as(p).reshape(-1)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("host read in the compute path")
+
+    with monkeypatch.context() as mp:
+        for name in ("__bool__", "item", "__int__", "__float__", "tolist"):
+            mp.setattr(torch.Tensor, name, boom)
+        mp.setattr(torch, "tensor", boom)
+        for spec in SPECS:
+            rollout_correction(p, b, mask, spec)
+            rollout_correction(p.reshape(-1), b.reshape(-1), mask.reshape(-1), spec, seq_ids=ids,
+                               num_seq_ids=p.shape[0])
+        rollout_correction(None, b, mask, CorrectionSpec())
+        ratio_parts(p, p, b, mask)
+
+
 @pytest.mark.gpu
 def test_no_host_sync_on_cuda():
     if not torch.cuda.is_available():
