@@ -16,7 +16,7 @@ its mean (geometric), clamped to +-SAFETY_BOUND before exp, as verl and slime do
 
 Modes (w = exp(level log-weight); verl = volcengine/verl `algorithm.rollout_correction`, slime = THUDM/slime):
   bypass:    weight 1, keep = valid; the loss acts on t/b as today.
-             verl bypass_mode=true; slime --use-rollout-logprobs.
+             verl bypass_mode=true with rollout_is=rollout_rs=null; slime --use-rollout-logprobs.
   tis:       weight min(w, C), keep = valid (truncated IS), level token or sequence.
              verl rollout_is=token|sequence + rollout_is_threshold=C; slime --use-tis --tis-clip C
              (vanilla_tis_function), or mis.py tis_mode=truncate, tis_level=token|sequence, tis_upper_bound=C.
