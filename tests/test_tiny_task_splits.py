@@ -110,6 +110,11 @@ def test_small_spec_refused_before_anything_is_written(tmp_path):
     assert not (tmp_path / "t").exists()
 
 
+def test_the_builder_tool_refuses_a_bad_flag_with_exit_code_2(tmp_path, capsys):
+    assert build_main([str(tmp_path / "t"), "--n-train", "800", "--n-eval", "256", "--disjoint-train"]) == 2
+    assert "lower --n-train to at most" in capsys.readouterr().err and not (tmp_path / "t").exists()
+
+
 def test_check_every_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="--check-every"):
         build_tiny_task(tmp_path / "t", check_every=0, log=lambda *_: None)

@@ -30,10 +30,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from m2po_megatron.demo.tiny_model import build_tiny_task
 
-    paths = build_tiny_task(args.out_dir, seed=args.seed, target_accuracy=args.target_accuracy,
-                            max_warmup_steps=args.max_warmup_steps, check_every=args.check_every,
-                            n_train=args.n_train, n_eval=args.n_eval, n_calibration=args.n_calibration,
-                            disjoint_train=args.disjoint_train, uniform_splits=args.uniform_splits)
+    try:  # the builder checks its arguments before writing anything; a wrong flag is exit code 2, not a traceback
+        paths = build_tiny_task(args.out_dir, seed=args.seed, target_accuracy=args.target_accuracy,
+                                max_warmup_steps=args.max_warmup_steps, check_every=args.check_every,
+                                n_train=args.n_train, n_eval=args.n_eval, n_calibration=args.n_calibration,
+                                disjoint_train=args.disjoint_train, uniform_splits=args.uniform_splits)
+    except ValueError as e:
+        print(f"build_tiny_model.py: {e}", file=sys.stderr)
+        return 2
     info = json.loads(open(paths.info_json).read())
     print(json.dumps({"paths": paths.__dict__, **{k: info[k] for k in (
         "warmup_steps", "eval_sampled_accuracy", "disjoint_train", "uniform_splits", "n_warmup_problems",
