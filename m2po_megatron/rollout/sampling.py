@@ -46,9 +46,6 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
     return out
 
 
-_MASK = (1 << 64) - 1
-
-
 def _signed(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
 

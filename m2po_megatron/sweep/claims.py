@@ -186,7 +186,8 @@ def claims(groups: list, comps: dict[int, dict[str, Comparison]]) -> str:
     return "\n".join(head) + "\n\n" + "\n".join(lines) + "\n"
 
 
-def _nan(x: float) -> str:
+def fmt_num(x: Optional[float]) -> str:
+    """A CSV number: 6 significant digits, empty for None or NaN."""
     return "" if x is None or math.isnan(x) else f"{x:.6g}"
 
 
@@ -203,8 +204,6 @@ def csv_values(comps: Optional[dict[str, Comparison]], bench: str) -> list[str]:
             continue
         t = c.test(bench)
         ref = c.ref.label if c.ref is not None else ""
-        note = "; ".join(x for x in (t.reason, c.note) if x)
-        if t.reason and c.note and t.reason == c.note:
-            note = t.reason
-        out += [ref, _nan(t.diff), _nan(t.lo), _nan(t.hi), _nan(t.dof), _nan(t.p), _nan(t.p_below), note]
+        note = "; ".join(dict.fromkeys(x for x in (t.reason, c.note) if x))  # once when they are the same
+        out += [ref, *map(fmt_num, (t.diff, t.lo, t.hi, t.dof, t.p, t.p_below)), note]
     return out

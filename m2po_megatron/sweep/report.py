@@ -345,7 +345,7 @@ def write_csv(groups: list[Group], path: Path, comps: Optional[dict] = None) -> 
     score lines of stale groups the Welch tests against each reference (vs_onpolicy_*, vs_stale_grpo_*:
     reference label, diff, its CI lo and hi, dof, two-sided p, one-sided p for diff < 0, note)."""
     comps = cl.compare(groups) if comps is None else comps
-    num = (lambda x: "" if math.isnan(x) else f"{x:.6g}")
+    num = cl.fmt_num
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["model", "method", "staleness", "variant", "eval", "benchmark", "mean", "std", "n", "ci_half",

@@ -234,9 +234,7 @@ def test_no_host_read_in_the_compute_path(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_no_host_sync_on_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+def test_no_host_sync_on_cuda():  # the gpu marker skips it without CUDA (tests/conftest.py)
     p, b, mask = (x.cuda() for x in random_batch(4))
     for spec in SPECS:
         rollout_correction(p, b, mask, spec)  # warm-up: allocations and kernels
