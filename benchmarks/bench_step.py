@@ -284,7 +284,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--skip", type=int, default=3, help="first training steps left out of the means")
     ap.add_argument("--task-dir", default=str(REPO / ".cache" / "tiny-task"),
-                    help="the tiny task (built as `m2po demo` builds it when missing)")
+                    help="the tiny task: a finished build there (build_info.json) is used as it is, any "
+                         "other is built as `m2po demo` builds its task")
     ap.add_argument("--from", dest="from_run", default=None, help="read this run directory instead of running")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds the run may take")
     ap.add_argument("--out", default=None, help="write the breakdown as JSON here")
@@ -296,7 +297,9 @@ def main() -> None:
             raise SystemExit(f"--skip {args.skip} leaves none of the --steps {args.steps} steps to measure")
         from m2po_megatron.commands.demo import ensure_tiny_task
 
-        task, _ = ensure_tiny_task(args.task_dir, seed=0)
+        task = Path(args.task_dir)
+        if not (task / "build_info.json").is_file():  # never rebuild another task (e.g. the fair sweep's) as the demo's
+            task, _ = ensure_tiny_task(args.task_dir, seed=0)
         tmp = Path(tempfile.mkdtemp(prefix="m2po-bench-step-"))
         run, cpu = run_train(task.resolve(), tmp, args.steps, args.skip, args.overrides, args.timeout)
         rows, mode, dp = read_run(run)

@@ -115,7 +115,7 @@ class RolloutSection:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 2560
-    max_concurrency: int = 64  # requests in flight per server
+    max_concurrency: int = 64  # samples in flight per server (a prompt's n samples go as one batch request)
     request_timeout_s: float = 600.0
     max_retries: int = 3
     max_restarts: int = 2

@@ -80,10 +80,52 @@ def build_generate_body(prompt_ids: Sequence[int], sampling_params: dict | None,
     return body
 
 
+def build_batch_body(prompt_ids: Sequence[int], sampling_params: dict | None, seeds: Sequence[int],
+                     return_logprob: bool = True) -> dict:
+    """One /generate body for a prompt's len(seeds) samples in SGLang's batch form (lists of input_ids,
+    sampling_params and rid, one entry per sample, each with its own sampling_seed): one HTTP round trip
+    and one arrival at the server, so the samples join the running batch together. SGLang answers a list."""
+    one = [build_generate_body(prompt_ids, dict(sampling_params or {}, sampling_seed=s), "", return_logprob)
+           for s in seeds]
+    body = {"rid": [uuid.uuid4().hex for _ in one], "input_ids": [b["input_ids"] for b in one],
+            "sampling_params": [b["sampling_params"] for b in one], "return_logprob": bool(return_logprob)}
+    protocol.validate_request("POST /generate", body)
+    return body
+
+
+class _Slots:
+    """A weighted semaphore: acquire(k) waits until k of `limit` slots are free (a request larger than the
+    limit waits for all of them), so max_concurrency counts samples whether they come one or n per request.
+    release() is synchronous, so a cancelled request gives its slots back in a `finally` without awaiting."""
+
+    def __init__(self, limit: int):
+        self.limit = max(1, int(limit))
+        self.free = self.limit
+        self._waiters: list[asyncio.Future] = []
+
+    async def acquire(self, k: int) -> int:
+        k = min(max(1, k), self.limit)
+        while self.free < k:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            finally:
+                self._waiters.remove(fut)
+        self.free -= k
+        return k
+
+    def release(self, k: int) -> None:
+        self.free += k
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+
 class _Server:
     def __init__(self, url: str, limit: int):
         self.url = url.rstrip("/")
-        self.sem = asyncio.Semaphore(limit)
+        self.slots = _Slots(limit)
         self.outstanding = 0
         self.down_until = 0.0
         self.errors = 0
@@ -176,8 +218,12 @@ class RolloutClient:
                                          "errors": s.errors, "down": s.down_until > time.monotonic()}
                                  for s in self._servers}
 
-    async def _post_generate(self, body: dict) -> tuple[dict, str]:
+    async def _post_generate(self, body: dict) -> tuple[dict | list, str]:
+        """POST one body (a single sample, or a batch of them) to the least loaded server; `outstanding`,
+        `completed`, `errors` and the re-issue count are in samples."""
         import aiohttp
+
+        size = len(body["rid"]) if isinstance(body.get("rid"), list) else 1
 
         await self._ensure()
         attempt = 0
@@ -187,29 +233,33 @@ class RolloutClient:
             except RolloutFailed:
                 self.stats.failed += 1
                 raise
-            srv.outstanding += 1
+            srv.outstanding += size
             self._per_server()
+            held = 0
             try:
-                async with srv.sem:
-                    async with self._session.post(f"{srv.url}/generate", json=body, timeout=self._timeout()) as r:
-                        if r.status == 200:
-                            srv.completed += 1
-                            return await r.json(), srv.url
-                        text = await r.text()
-                        if r.status not in _RETRYABLE_STATUS:
-                            raise RolloutRequestError(f"{srv.url}/generate answered {r.status}: {text[:500]}")
-                        raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=text[:200])
+                held = await srv.slots.acquire(size)
+                async with self._session.post(f"{srv.url}/generate", json=body, timeout=self._timeout()) as r:
+                    if r.status == 200:
+                        out = await r.json()
+                        srv.completed += size
+                        return out, srv.url
+                    text = await r.text()
+                    if r.status not in _RETRYABLE_STATUS:
+                        raise RolloutRequestError(f"{srv.url}/generate answered {r.status}: {text[:500]}")
+                    raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=text[:200])
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                srv.errors += 1
+                srv.errors += size
                 srv.down_until = time.monotonic() + 3600  # until a /health probe sees it again
                 attempt += 1
                 if attempt > self.max_retries:
                     self.stats.failed += 1
                     raise RolloutFailed(f"request {body.get('rid')} failed {attempt} times; last: {e!r}") from e
-                self.stats.reissued += 1
+                self.stats.reissued += size
                 await asyncio.sleep(self.retry_backoff_s)
             finally:
-                srv.outstanding -= 1
+                if held:
+                    srv.slots.release(held)
+                srv.outstanding -= size
                 self._per_server()
 
     def _parse(self, resp: dict, url: str) -> SampleResult:
@@ -229,17 +279,25 @@ class RolloutClient:
     # ------------------------------------------------------------------ public
     async def generate(self, prompt_ids: Sequence[int], sampling_params: dict | None = None, n: int = 1,
                        return_logprob: bool = True) -> list[SampleResult]:
-        """n samples of one prompt (token ids), each sent as its own request so they spread across servers
-        (SGLang's prefix cache shares the prompt on one server). With sampling_seed s, sample i uses s + i;
-        without one each sample gets a random seed, because a server with deterministic inference would give
-        every unseeded request the same seed (42) and so the same sample."""
+        """n samples of one prompt (token ids), sent as one batch request to one server (a group's samples
+        share its prompt, and SGLang's prefix cache shares the prompt's KV on one server; the per-sample
+        overhead of HTTP and of trickling into the running batch is paid once per prompt). With sampling_seed
+        s, sample i uses s + i; without one each sample gets a random seed, because a server with
+        deterministic inference would give every unseeded request the same seed (42) and so the same sample."""
         sp = dict(sampling_params or {})
         n = int(sp.pop("n", n) if n == 1 else n)
-        bodies = [build_generate_body(prompt_ids, dict(sp, sampling_seed=s), uuid.uuid4().hex, return_logprob)
-                  for s in sample_seeds(sp.get("sampling_seed"), n)]
+        seeds = sample_seeds(sp.get("sampling_seed"), n)
         self.stats.requests += n
-        out = await asyncio.gather(*(self._post_generate(b) for b in bodies))
-        results = [self._parse(r, url) for r, url in out]
+        if n == 1:
+            resp, url = await self._post_generate(
+                build_generate_body(prompt_ids, dict(sp, sampling_seed=seeds[0]), uuid.uuid4().hex, return_logprob))
+            resps = [resp]
+        else:
+            resps, url = await self._post_generate(build_batch_body(prompt_ids, sp, seeds, return_logprob))
+            if not isinstance(resps, list) or len(resps) != n:
+                raise RolloutFailed(f"{url}/generate answered {type(resps).__name__} for a batch of {n} "
+                                    "samples; SGLang answers a list with one entry per sample")
+        results = [self._parse(r, url) for r in resps]
         self.stats.completed += n
         return results
 

@@ -75,7 +75,12 @@ class Engine:
         self.deterministic = deterministic
         self._seed_rng = torch.Generator().manual_seed(random_seed if random_seed is not None else 0)
         self.lock = threading.RLock()  # held for each step and for every state change
-        self.cond = threading.Condition(self.lock)
+        # New sequences land in an inbox with its own lock, never held across a step: a submit that waited
+        # for the step lock would let the scheduler re-take it first, so the samples of one request would
+        # join the batch a few per step (hundreds of small steps instead of ~max_new_tokens large ones).
+        self._inbox: list[Sequence] = []
+        self._inbox_lock = threading.Lock()
+        self._wake = threading.Event()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.keys: list[torch.Tensor] = []
@@ -93,32 +98,50 @@ class Engine:
     # ------------------------------------------------------------------ public, any thread
     def submit(self, prompt: list[int], sp: SamplingParams, n: int, on_done: Callable[[Sequence], None],
                rid: str | None = None) -> list[Sequence]:
-        if not prompt:
-            raise ValueError("input_ids is empty")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"input_ids contain ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        rid = rid or uuid.uuid4().hex
-        seqs = []
-        for i in range(n):
-            if self.deterministic:  # SGLang's n copies of a request share its seed, so their samples are equal
-                seed = (DEFAULT_SAMPLING_SEED if sp.sampling_seed is None else sp.sampling_seed) % 2**63
-            else:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
-            seqs.append(Sequence(rid=rid if n == 1 else f"{rid}-{i}", prompt=list(prompt), sp=sp, seed=seed,
-                                 on_done=on_done))
-        with self.cond:
+        return self.submit_many([(prompt, sp, n, on_done, rid)])[0]
+
+    def submit_many(self, jobs: list[tuple]) -> list[list[Sequence]]:
+        """Submit (prompt, sp, n, on_done, rid) jobs together: all are checked first (ValueError, nothing
+        submitted), then they enter the batch at the same step, as the samples of one batch request do."""
+        for prompt, *_ in jobs:
+            if not prompt:
+                raise ValueError("input_ids is empty")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"input_ids contain ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        out, queued = [], []
+        with self._inbox_lock:  # also serialises the server generator's seeds
+            for prompt, sp, n, on_done, rid in jobs:
+                rid = rid or uuid.uuid4().hex
+                seqs = [Sequence(rid=rid if n == 1 else f"{rid}-{i}", prompt=list(prompt), sp=sp,
+                                 seed=self._sequence_seed(sp), on_done=on_done) for i in range(n)]
+                out.append(seqs)
+                if sp.max_new_tokens > 0:
+                    queued += seqs
+            self._inbox.extend(queued)
+        for seqs, (_, sp, *_rest) in zip(out, jobs):
             if sp.max_new_tokens == 0:
                 for s in seqs:
                     self._finish(s, {"type": "length", "length": 0})
-                return seqs
-            self.waiting.extend(seqs)
-            self.cond.notify_all()
-        return seqs
+        if queued:
+            self._wake.set()
+        return out
+
+    def _sequence_seed(self, sp: SamplingParams) -> int:
+        if self.deterministic:  # SGLang's n copies of a request share its seed, so their samples are equal
+            return (DEFAULT_SAMPLING_SEED if sp.sampling_seed is None else sp.sampling_seed) % 2**63
+        return int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+
+    def _admit_inbox(self) -> None:
+        """Move submitted sequences into `waiting` (caller holds the step lock)."""
+        with self._inbox_lock:
+            new, self._inbox = self._inbox, []
+        self.waiting.extend(new)
 
     def abort(self, rid: str | None = None, message: str = "Abort request") -> int:
         """Abort matching waiting/running sequences (rid=None: all); they return with finish type 'abort'."""
-        with self.cond:
+        with self.lock:
+            self._admit_inbox()
             hit = lambda s: rid is None or s.rid == rid or s.rid.startswith(f"{rid}-")
             gone = [s for s in self.waiting if hit(s)]
             self.waiting = deque(s for s in self.waiting if not hit(s))
@@ -130,7 +153,7 @@ class Engine:
             return len(gone)
 
     def pause(self, mode: str) -> None:
-        with self.cond:
+        with self.lock:
             if mode == "abort":
                 self.abort(message="Abort by pause_generation")
             elif mode == "retract":  # drop the KV cache; sequences re-prefill (prompt + output) on continue
@@ -141,9 +164,9 @@ class Engine:
             self.paused = True
 
     def resume(self) -> None:
-        with self.cond:
+        with self.lock:
             self.paused = False
-            self.cond.notify_all()
+        self._wake.set()
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
         """Copy HF-named tensors into the model between steps; raise KeyError/ValueError naming the tensor."""
@@ -162,10 +185,12 @@ class Engine:
     def idle(self, ignore_waiting: bool = False) -> bool:
         """SGLang's is_fully_idle: nothing running (and nothing queued, unless ignore_waiting)."""
         with self.lock:
+            self._admit_inbox()
             return not self.running and (ignore_waiting or not self.waiting)
 
     def stats(self) -> dict:
         with self.lock:
+            self._admit_inbox()
             return {"waiting": len(self.waiting), "running": len(self.running), "paused": self.paused,
                     "steps": self.steps, "weight_version": self.weight_version}
 
@@ -173,24 +198,28 @@ class Engine:
         return self._thread.is_alive() and self.error is None
 
     def shutdown(self) -> None:
-        with self.cond:
+        with self.lock:
             self._stop = True
-            self.cond.notify_all()
+        self._wake.set()
         self._thread.join(timeout=10)
 
     # ------------------------------------------------------------------ scheduler thread
     def _loop(self) -> None:
         try:
             while True:
-                with self.cond:
-                    while not self._stop and (self.paused or (not self.waiting and not self.running)):
-                        self.cond.wait()
+                self._wake.wait()
+                with self.lock:
+                    self._wake.clear()  # before reading the inbox: a later submit sets it again
                     if self._stop:
                         return
-                    self._step()
+                    self._admit_inbox()
+                    if not self.paused and (self.waiting or self.running):
+                        self._step()
+                        self._wake.set()  # step again while there is work (the lock is released between)
         except BaseException as e:  # noqa: BLE001 - fail every request loudly rather than hang them
             self.error = e
-            with self.cond:
+            with self.lock:
+                self._admit_inbox()
                 for s in list(self.waiting) + self.running:
                     self._finish(s, {"type": "abort", "message": f"engine error: {e!r}"})
                 self.waiting.clear()

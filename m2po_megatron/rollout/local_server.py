@@ -214,8 +214,9 @@ class LocalServer:
         from m2po_megatron.rollout.engine import SamplingParams
 
         try:
-            await asyncio.wait_for(self._run([0], SamplingParams(max_new_tokens=1), 1, "health-" + uuid.uuid4().hex),
-                                   timeout=30)
+            rid = "health-" + uuid.uuid4().hex
+            [(seqs, fut)] = self._submit([([0], SamplingParams(max_new_tokens=1), 1, rid)])
+            await asyncio.wait_for(self._wait(seqs, fut, rid), timeout=30)
         except asyncio.TimeoutError:
             return _json_error(503, "health_generate timed out")
         return web.Response(status=200)
@@ -263,19 +264,27 @@ class LocalServer:
         return self.engine.idle(ignore_waiting=self.engine.paused)
 
     # ------------------------------------------------------------------ generation
-    async def _run(self, prompt, sp, n, rid):
+    def _submit(self, jobs) -> list[tuple[list, asyncio.Future]]:
+        """Submit a request's jobs to the engine in one call, so its samples join the batch at one step;
+        each job's future is done when all its sequences are (set from the engine thread)."""
         loop = asyncio.get_running_loop()
-        pending = {"left": n, "seqs": []}
-        fut = loop.create_future()
 
-        def done(seq):  # engine thread
+        def waiter(n):
+            fut, left = loop.create_future(), [n]
+            if n == 0:
+                fut.set_result(None)
+
             def mark():
-                pending["left"] -= 1
-                if pending["left"] == 0 and not fut.done():
+                left[0] -= 1
+                if left[0] == 0 and not fut.done():
                     fut.set_result(None)
-            loop.call_soon_threadsafe(mark)
+            return fut, lambda seq: loop.call_soon_threadsafe(mark)
 
-        seqs = self.engine.submit(prompt, sp, n, done, rid=rid)
+        waiters = [waiter(n) for _, _, n, _ in jobs]
+        seqs = self.engine.submit_many([(p, sp, n, done, rid) for (p, sp, n, rid), (_, done) in zip(jobs, waiters)])
+        return [(s, fut) for s, (fut, _) in zip(seqs, waiters)]
+
+    async def _wait(self, seqs, fut, rid):
         try:
             await asyncio.shield(fut)
         except asyncio.CancelledError:  # the client went away: stop spending compute on it
@@ -326,7 +335,9 @@ class LocalServer:
             self.held_by_pause -= 1
         t0 = time.monotonic()
         async with self.model_update.reader():
-            results = await asyncio.gather(*(self._run(*job) for job in jobs))
+            submitted = self._submit(jobs)
+            results = await asyncio.gather(*(self._wait(seqs, fut, job[3])
+                                             for (seqs, fut), job in zip(submitted, jobs)))
         out = []
         for seqs, want_lp in zip(results, rlps):
             for s in seqs:
@@ -563,7 +574,10 @@ def main(argv=None) -> int:
     check_args(args)
     import torch
 
-    torch.set_num_threads(int(os.environ.get("M2PO_CPU_SERVER_THREADS", min(2, os.cpu_count() or 1))))
+    # One intra-op thread by default: the tiny model's kernels are too small to split, and a second OpenMP
+    # thread spin-waits at every barrier whenever the other core runs the trainer or the loop (a tiny-cpu step
+    # spent 0.70 s in generation with two threads, 0.29 s with one: docs/training.md).
+    torch.set_num_threads(int(os.environ.get("M2PO_CPU_SERVER_THREADS", "1")))
     from aiohttp import web
 
     from m2po_megatron.rollout.engine import Engine, load_model
