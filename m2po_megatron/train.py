@@ -106,7 +106,7 @@ def train(cfg: DictConfig) -> Path:
                 sb = build_batch(cfg, groups, version, ledger)  # advantages, staleness gating, ledger
             t1 = time.perf_counter()
             out = train_on(cfg, trainers, sb.batch)
-            out.update(logprob_mismatch(sb.samples, out.pop("per_update", None), version))
+            out.update(logprob_mismatch(sb.samples, out.pop("per_update", None), version, out))
             t_train = time.perf_counter() - t1
             applied = U if sb.batch is not None else 0  # a step whose samples were all dropped updates nothing
             version += applied
@@ -219,12 +219,18 @@ def next_batch(cfg: DictConfig, generator, version: int, ckpts):
         raise RunError(f"waiting for rollouts: {e}; the run stops. {resume_hint(ckpts)}") from e
 
 
-def logprob_mismatch(samples, per_update, version: int) -> dict:
+def logprob_mismatch(samples, per_update, version: int, out: dict | None = None) -> dict:
     """Behaviour (engine) vs trainer log-probs at the same weights: the first update of a step whose
     samples were all generated at the step's starting version sees exactly that pair (ratio = 1 up to
-    numerics; FP8 rollouts or a broken weight sync show up here)."""
+    numerics; bf16 or FP8 rollouts or a broken weight sync show up here). A three-policy step's losses see
+    theta/proximal instead; there the correction's own proximal/behaviour metrics are that pair."""
     if not per_update or not samples or any(v != version for s in samples for v in s.versions):
         return {}
+    out = out or {}
+    if "rollout_corr/kl_k1" in out:
+        return {"logprob_mismatch/kl_k3": out["rollout_corr/kl_k3"], "logprob_mismatch/kl_k1": out["rollout_corr/kl_k1"],
+                "logprob_mismatch/ratio_max": out["rollout_corr/ratio_max"],
+                "logprob_mismatch/ratio_min": out["rollout_corr/ratio_min"]}
     first = per_update[0]
     return {"logprob_mismatch/kl_k3": first.get("kl/k3"), "logprob_mismatch/kl_k1": first.get("kl/k1"),
             "logprob_mismatch/ratio_max": first.get("ratio/max"), "logprob_mismatch/ratio_min": first.get("ratio/min")}

@@ -79,6 +79,11 @@ class MegatronActor:
         m2po_tau, m2po_rule ("remove" | "cap"), m2po_scope: "global" (the paper's batch-level mask over
             the whole optimizer mini-batch across DP ranks, from a no-grad forward at the current weights)
             or "microbatch" (per micro-batch mask inside the loss, no extra forward; the released code).
+        rollout_correction: algo.rollout_correction's fields (mode, level, threshold, threshold_lower,
+            geometric_action; algo.rollout_correction.CorrectionSpec). Any mode but "bypass" (the default)
+            makes the objective three-policy: one no-grad pass at the step's starting weights gives the
+            proximal log-probs; the loss and the M2PO mask act on theta/proximal, and the correction's
+            weight (a function of proximal/behaviour) multiplies each token's loss (docs/algo.md).
         seed: Megatron's model-parallel RNG seed.
     """
 
@@ -118,6 +123,7 @@ class MegatronActor:
         m2po_tau: float = 0.04,
         m2po_rule: str = "remove",
         m2po_scope: str = "global",
+        rollout_correction: Optional[dict] = None,
         seed: int = 1234,
     ):
         # Cheap checks first, before any distributed or model work.
@@ -129,6 +135,9 @@ class MegatronActor:
             use_distributed_optimizer=use_distributed_optimizer, lr_schedule=lr_schedule,
             lr_decay_steps=lr_decay_steps, m2po_scope=m2po_scope, recompute_granularity=recompute_granularity,
             recompute_method=recompute_method, loss_name=loss_name)
+        from m2po_megatron.algo.rollout_correction import CorrectionSpec
+
+        self.correction = CorrectionSpec(**(rollout_correction or {}))  # ValueError naming the field
         self._resolve_machine(attention_backend, sequence_parallel, params_dtype, fp8, fp8_recipe)
         from m2po_megatron.models.builder import validate_layout
         from m2po_megatron.models.hf_config import read_hf_config
@@ -371,8 +380,14 @@ class MegatronActor:
                 raise ValueError(f"a mini-batch of {len(mi)} sequences cannot feed {self.dp_size} data-parallel "
                                  f"ranks: lower num_minibatches ({num_minibatches}) or send a larger batch")
         times = dict.fromkeys(STEP_TIMES, 0.0)
+        corr_metrics: dict = {}
+        if self.correction.mode != "bypass":
+            t = time.perf_counter()
+            batch, corr_metrics = self._three_policy(batch)
+            times["logprob_pass"] += time.perf_counter() - t
         per_update = [self._train_minibatch(batch.select(mi), times) for mi in minis]
         out = combine_updates(per_update, self.updates_applied)
+        out.update(corr_metrics)
         out.update({f"time/actor/{k}": v for k, v in times.items()})
         out["time/actor/train_step"] = time.perf_counter() - t_start
         return out
@@ -405,9 +420,9 @@ class MegatronActor:
         def loss_fn(mb: MicroBatch, model_out):
             logp, ent = self._token_logps(mb, model_out, with_entropy=True)
             dev = logp.device
-            behav, adv = _behav_and_advantages(mb_batch, mb, dev)
+            behav, adv, weights = _behav_and_advantages(mb_batch, mb, dev)
             seq_ids = to_device(mb.response_seq_ids(), dev)
-            mask = torch.ones_like(logp, dtype=torch.bool)
+            mask = torch.ones_like(logp, dtype=torch.bool) if weights is None else weights > 0
             kw = dict(self.loss_kwargs)
             if self.loss_name == "m2po":
                 if use_global_mask:
@@ -417,7 +432,7 @@ class MegatronActor:
                     kw.setdefault("rule", self.m2po_rule)
             loss, st = algo_losses.policy_loss_on_device(
                 self.loss_name, logp, behav, adv, mask, seq_ids=seq_ids, num_seq_ids=len(mb.seq_index),
-                num_tokens=global_tokens, num_seqs=global_seqs, **kw)
+                num_tokens=global_tokens, num_seqs=global_seqs, weights=weights, **kw)
             stats.append(st)
             ent_sums.append(ent.sum().float())
             return loss * (n_local * self.dp_size), {}
@@ -482,15 +497,34 @@ class MegatronActor:
             return {}, {}
         log_ratios, advs, masks = [], [], []
         for mb in mbs:
-            behav, adv = _behav_and_advantages(mb_batch, mb, cur[id(mb)].device)
+            behav, adv, weights = _behav_and_advantages(mb_batch, mb, cur[id(mb)].device)
             log_ratios.append(cur[id(mb)] - behav)
             advs.append(adv)
-            masks.append(torch.ones_like(log_ratios[-1], dtype=torch.bool))
+            masks.append(torch.ones_like(log_ratios[-1], dtype=torch.bool) if weights is None else weights > 0)
         res = algo_dist.global_m2po_keep_masks(log_ratios, advs, masks, tau=self.m2po_tau, rule=self.m2po_rule,
                                                scope="minibatch", group=self.dp_group)
         stats = {"m2po_global/num_trust_region": res.num_trust_region, "m2po_global/num_dropped": res.num_dropped,
                  "m2po_global/m2_before": res.m2_before, "m2po_global/m2_after": res.m2_after}
         return {id(mb): k for mb, k in zip(mbs, res.keep_masks)}, stats
+
+    def _three_policy(self, batch: TrainBatch) -> tuple[TrainBatch, dict]:
+        """The batch the losses see in a three-policy mode, and the correction's metrics: behav_log_probs
+        become the proximal log-probs (this rank's no-grad pass at the step's starting weights, shared by
+        every rank), loss_weights the correction's weights (0 on tokens it drops, which then also leave the
+        M2PO mask's trust region but stay in the loss denominators, as M2PO's own masked tokens do)."""
+        from m2po_megatron.algo import rollout_correction as rc
+
+        proximal, _ = self.compute_log_probs(batch, with_entropy=False)
+        rl = batch.response_lens
+        p = torch.cat(proximal)
+        b = torch.cat([x.float() for x in batch.behav_log_probs])
+        seq_ids = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(rl))
+        corr = rc.rollout_correction(p, b, torch.ones_like(p, dtype=torch.bool), self.correction,
+                                     seq_ids=seq_ids, num_seq_ids=len(batch))
+        metrics = rc.read_stats([corr.stats])[0]
+        out = TrainBatch(batch.input_ids, batch.prompt_lens, behav_log_probs=list(p.split(rl)),
+                         advantages=batch.advantages, loss_weights=list(corr.weights.float().split(rl)))
+        return out, metrics
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str) -> None:
@@ -508,9 +542,12 @@ class MegatronActor:
             self.ps.destroy_model_parallel()
 
 
-def _behav_and_advantages(batch: TrainBatch, mb: MicroBatch, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """The behaviour log-probs and per-token advantages of `mb`'s response tokens, fp32 on `dev`: stacked on
-    the host, one non-blocking copy."""
-    host = torch.stack([torch.cat([batch.behav_log_probs[i].float() for i in mb.seq_index]),
-                        torch.cat([batch.token_advantages(i) for i in mb.seq_index])])
-    return tuple(to_device(host, dev))
+def _behav_and_advantages(batch: TrainBatch, mb: MicroBatch, dev):
+    """The behaviour log-probs, per-token advantages and loss weights (None without them) of `mb`'s response
+    tokens, fp32 on `dev`: stacked on the host, one non-blocking copy."""
+    rows = [torch.cat([batch.behav_log_probs[i].float() for i in mb.seq_index]),
+            torch.cat([batch.token_advantages(i) for i in mb.seq_index])]
+    if batch.loss_weights is not None:
+        rows.append(torch.cat([batch.loss_weights[i].float() for i in mb.seq_index]))
+    out = tuple(to_device(torch.stack(rows), dev))
+    return out if len(out) == 3 else (*out, None)

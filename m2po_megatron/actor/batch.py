@@ -22,12 +22,15 @@ class TrainBatch:
         sequence, length = response length). Required by train_step; unused by compute_log_probs.
     advantages: FloatTensor[n] (one value per sequence) or a list of 1-D per-response-token tensors.
         Required by train_step.
+    loss_weights: optional per response token factor on the loss (>= 0; 0 drops the token), one 1-D float
+        tensor per sequence: the rollout correction's weights, which the actor sets itself.
     """
 
     input_ids: list[torch.Tensor]
     prompt_lens: list[int]
     behav_log_probs: Optional[list[torch.Tensor]] = None
     advantages: Optional[Union[torch.Tensor, list[torch.Tensor]]] = None
+    loss_weights: Optional[list[torch.Tensor]] = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -75,6 +78,7 @@ class TrainBatch:
             prompt_lens=[int(self.prompt_lens[i]) for i in idx],
             behav_log_probs=None if self.behav_log_probs is None else [self.behav_log_probs[i] for i in idx],
             advantages=adv,
+            loss_weights=None if self.loss_weights is None else [self.loss_weights[i] for i in idx],
         )
 
     def validate(self, *, for_training: bool, vocab_size: Optional[int] = None, max_tokens: Optional[int] = None):

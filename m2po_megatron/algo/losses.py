@@ -152,6 +152,8 @@ def policy_loss(
         tau, rule: the M2PO bound and rule when keep_mask is None (see mask.m2po_keep_mask).
         eps_low, eps_high: PPO clip range for grpo (default 0.2, 0.2) and gspo (default 3e-4, 4e-4).
         dual_clip: c > 1: tokens with A < 0 and ratio > c get a constant loss -A*c (zero gradient). Any loss.
+        weights: detached per-token factors >= 0 on each token's loss, same shape (a rollout correction's
+            importance weights, algo.rollout_correction); the denominators are unchanged. None: all 1.
 
     Returns:
         (loss, metrics). Metric keys: loss, m2po/m2_before, m2po/m2_after, m2po/masked_frac,
@@ -185,6 +187,7 @@ def policy_loss_on_device(
     eps_low: float | None = None,
     eps_high: float | None = None,
     dual_clip: float | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, LossStats]:
     """policy_loss without reading the device: (loss, LossStats). Arguments as policy_loss. Non-finite inputs
     on valid tokens do not raise here: those tokens are left out of the loss and counted in the stats, and
@@ -220,7 +223,7 @@ def policy_loss_on_device(
             f"broadcast per-sequence advantages to tokens (adv[:, None] padded, adv[seq_ids] flat)"
         )
     check_same_shape("log_prob", log_prob, behav_log_prob=behav_log_prob, advantages=advantages, mask=mask,
-                     keep_mask=keep_mask)
+                     keep_mask=keep_mask, weights=weights)
 
     vt = valid_tokens(mask, seq_ids, where, num_seq_ids)
     needs_seqs = name == "gspo" or agg != "token-mean"
@@ -256,6 +259,9 @@ def policy_loss_on_device(
         tok, clipped, dual = _surrogate(torch.where(valid, seq_lr[vt.seq], zero), A, keep, eps, dual_clip)
     else:
         tok, clipped, dual = _surrogate(lr, A, keep, eps, dual_clip)
+    if weights is not None:  # off the valid tokens the factor is 1, so a NaN there cannot reach the sums
+        tok = tok * torch.where(valid, vt.take(weights).detach().to(dtype), torch.ones((), dtype=dtype,
+                                                                                       device=lp.device))
 
     seq_count = vt.seq_sum(ones) if vt.known_seqs else None
     n_seqs = (seq_count > 0).sum() if seq_count is not None else None

@@ -73,6 +73,18 @@ class GSPOSection:
 
 
 @dataclass
+class RolloutCorrectionSection:
+    """The three-policy objective's correction of proximal/behaviour (algo/rollout_correction.py; docs/algo.md
+    gives verl's, slime's, AReaL's and NeMo-RL's names for each). bypass (the default) is the two-policy loss
+    on theta/behaviour; any other mode adds a no-grad pass per step for the proximal log-probs."""
+    mode: str = "bypass"  # bypass | tis (truncated IS) | mis (masked IS) | icepop (token band) | geometric
+    level: Optional[str] = None  # tis, mis: token (default) | sequence; icepop is token, geometric sequence
+    threshold: float = 2.0  # C >= 1: tis caps the weight at C; the masking modes keep [1/C, C]
+    threshold_lower: Optional[float] = None  # the band's lower end in [0, 1), below threshold; default 1/C
+    geometric_action: str = "mask"  # geometric only: mask (drop outside the band) | truncate (cap at C)
+
+
+@dataclass
 class AlgoSection:
     name: str = "m2po"  # m2po | grpo | grpo_notr | gspo
     # token-mean | seq-mean-token-mean | seq-mean-token-sum, for m2po, grpo and grpo_notr; gspo reads
@@ -84,6 +96,7 @@ class AlgoSection:
     m2po: M2POSection = field(default_factory=M2POSection)
     grpo: ClipSection = field(default_factory=ClipSection)
     gspo: GSPOSection = field(default_factory=GSPOSection)
+    rollout_correction: RolloutCorrectionSection = field(default_factory=RolloutCorrectionSection)
 
 
 @dataclass

@@ -21,6 +21,8 @@ def choices() -> dict[str, tuple | None]:
     from m2po_megatron.actor.settings import LR_SCHEDULES, M2PO_SCOPES, RECOMPUTE_GRANULARITIES
     from m2po_megatron.algo.losses import AGG_MODES, LOSSES
     from m2po_megatron.algo.mask import RULES
+    from m2po_megatron.algo.rollout_correction import GEOMETRIC_ACTIONS, LEVELS as CORRECTION_LEVELS
+    from m2po_megatron.algo.rollout_correction import MODES as CORRECTION_MODES
     from m2po_megatron.models.builder import ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES
     from m2po_megatron.rollout.weight_sync import PAUSE_MODES
 
@@ -37,6 +39,9 @@ def choices() -> dict[str, tuple | None]:
         "algo.gspo.loss_agg_mode": AGG_MODES,
         "algo.m2po.rule": RULES,
         "algo.m2po.scope": M2PO_SCOPES,
+        "algo.rollout_correction.mode": CORRECTION_MODES,
+        "algo.rollout_correction.level": (None, *CORRECTION_LEVELS),
+        "algo.rollout_correction.geometric_action": GEOMETRIC_ACTIONS,
         "staleness.mode": ("on_policy", "fixed_lag", "bounded"),
         "staleness.behav_logprob_source": ("engine", "trainer"),
         "rollout.engine": ("local", "sglang"),
@@ -120,6 +125,7 @@ def validate(cfg: DictConfig, check_files: bool = True) -> None:
     for b in ("adam_beta1", "adam_beta2"):
         if not 0 <= cfg.optim[b] < 1:
             errors.append(f"optim.{b} = {cfg.optim[b]} must be in [0, 1)")
+    _check_rollout_correction(cfg, errors)
     if cfg.algo.dual_clip_c is not None and cfg.algo.dual_clip_c <= 1:
         errors.append(f"algo.dual_clip_c = {cfg.algo.dual_clip_c} must be > 1 (e.g. 3.0), or null to disable")
     if cfg.rollout.mem_fraction_static is not None and not 0 < cfg.rollout.mem_fraction_static < 1:
@@ -149,6 +155,21 @@ def validate(cfg: DictConfig, check_files: bool = True) -> None:
 
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+def _check_rollout_correction(cfg: DictConfig, errors: list[str]) -> None:
+    """algo.rollout_correction through the spec the actor builds (its errors name the field), plus where the
+    proximal log-probs cannot differ from the behaviour's."""
+    from m2po_megatron.algo.rollout_correction import CorrectionSpec
+
+    rc = cfg.algo.rollout_correction
+    allowed = choices()
+    if any(rc[k] not in allowed[f"algo.rollout_correction.{k}"] for k in ("mode", "level", "geometric_action")):
+        return  # already reported, with a suggestion
+    try:
+        CorrectionSpec(**dict(rc))
+    except (ValueError, TypeError) as e:
+        errors.append(f"algo.{e}" if str(e).startswith("rollout_correction") else f"algo.rollout_correction: {e}")
 
 
 def _check_layout(cfg: DictConfig, errors: list[str]) -> None:

@@ -340,12 +340,16 @@ class Engine:
 
 
 def load_model(model_path: str, dtype: str = "float32"):
-    """HF causal LM in fp32 on CPU (the CPU server's only precision: log-probs must match the trainer's)."""
+    """HF causal LM on CPU: fp32 by default (auto, float, float32: the trainer's CPU precision, so log-probs
+    match it), or bf16 weights, activations and KV cache (bfloat16: the engine/trainer mismatch of a GPU
+    rollout in bf16 against an fp32 trainer; sampling and the returned log-probs are computed in fp32 from
+    the bf16 logits, as SGLang does)."""
     from transformers import AutoModelForCausalLM
 
-    if dtype not in ("auto", "float", "float32"):
-        raise ValueError(f"--dtype {dtype}: the CPU server runs float32 only (use auto, float or float32)")
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    dtypes = {"auto": torch.float32, "float": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}
+    if dtype not in dtypes:
+        raise ValueError(f"--dtype {dtype}: the CPU server runs one of {sorted(dtypes)}")
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtypes[dtype])
 
 
 def request_params(sp: dict[str, Any], max_new_tokens: int) -> SamplingParams:

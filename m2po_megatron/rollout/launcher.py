@@ -103,6 +103,7 @@ class ServerSpec:
 
 
 # Flags our CPU server understands (a subset of SGLang's); anything else is refused for engine="local".
+LOCAL_DTYPES = ("auto", "float", "float32", "bfloat16")  # SGLang --dtype values the CPU server serves
 LOCAL_FLAGS = {"model_path", "host", "port", "api_key", "skip_tokenizer_init", "dtype", "context_length",
                "max_running_requests", "random_seed", "weight_version", "log_level", "tp_size", "dp_size",
                "mem_fraction_static", "quantization", "trust_remote_code", "served_model_name",
@@ -169,8 +170,9 @@ def preflight(spec: ServerSpec) -> None:
             raise ValueError(f"tp_size/dp_size must be 1 for engine='local' (got {spec.tp_size}/{spec.dp_size})")
         if spec.quantization:
             raise ValueError(f"quantization={spec.quantization!r} needs engine='sglang' on a GPU")
-        if spec.dtype not in ("auto", "float", "float32"):
-            raise ValueError(f"dtype={spec.dtype!r}: the CPU server runs float32 (use 'auto')")
+        if spec.dtype not in LOCAL_DTYPES:
+            raise ValueError(f"dtype={spec.dtype!r}: the CPU server runs {' | '.join(LOCAL_DTYPES)} (auto is "
+                             "float32; bfloat16 makes a real engine/trainer mismatch on CPU)")
     if spec.port:
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no conflict

@@ -527,7 +527,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (health exempt)")
     p.add_argument("--skip-tokenizer-init", action="store_true", help="accepted; this server has no tokenizer")
-    p.add_argument("--dtype", default="auto", help="auto | float | float32 (the CPU server runs fp32)")
+    p.add_argument("--dtype", default="auto", help="auto | float | float32 | bfloat16 (auto: float32, the "
+                   "trainer's CPU precision; bfloat16 samples and scores in bf16, a real engine mismatch)")
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--random-seed", type=int, default=None)
@@ -553,8 +554,8 @@ def check_args(args) -> None:
                  "start one server per replica")
     if args.quantization:
         sys.exit(f"--quantization {args.quantization}: quantized serving needs SGLang on a GPU")
-    if args.dtype not in ("auto", "float", "float32"):
-        sys.exit(f"--dtype {args.dtype}: the CPU server runs float32 only")
+    if args.dtype not in ("auto", "float", "float32", "bfloat16"):
+        sys.exit(f"--dtype {args.dtype}: the CPU server runs auto | float | float32 | bfloat16")
     mp = pathlib.Path(args.model_path)
     if not (mp / "config.json").is_file():
         sys.exit(f"--model-path {args.model_path}: no config.json there (a local HF model directory is needed)")

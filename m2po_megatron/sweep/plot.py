@@ -19,13 +19,18 @@ DEFAULT_PANELS: list[tuple[str, list[list[str]]]] = [
     ("reward", [["reward/mean"]]),
     ("accuracy (pass@1)", [["eval/avg"], ["eval/*/pass@1"]]),
     ("staleness (updates)", [["staleness/mean", "staleness/max"]]),
+    # three-policy runs only (algo.rollout_correction): KL(behaviour || proximal) and what the correction did
+    ("rollout correction: KL(behaviour || proximal)", [["rollout_corr/kl_k1", "rollout_corr/kl_k3"]]),
+    ("rollout correction: truncated / masked fraction", [["rollout_corr/truncated_frac", "rollout_corr/masked_frac"]]),
 ]
 
 
 # The report's diagnostics panels: (title, metrics key, log scale).
 DIAGNOSTICS = [("M2 before masking", "m2po/m2_before", False), ("M2 after masking", "m2po/m2_after", False),
                ("masked fraction", "m2po/masked_frac", False), ("clip fraction", "clip_frac", False),
-               ("ratio max", "ratio/max", True), ("ratio min", "ratio/min", True)]
+               ("ratio max", "ratio/max", True), ("ratio min", "ratio/min", True),
+               ("KL(behaviour || proximal), k3", "rollout_corr/kl_k3", False),
+               ("proximal / behaviour, p99", "rollout_corr/ratio_p99", True)]
 
 
 def _number(v) -> Optional[float]:
@@ -213,7 +218,8 @@ def plot_groups(groups, out_dir: PathLike, smooth: int = 5) -> list[Path]:
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
 
-    fig, axes = plt.subplots(3, 2, figsize=(12, 9), sharex=True)
+    rows = (len(DIAGNOSTICS) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 3 * rows), sharex=True)
     for ax, (title, key, log) in zip(axes.flat, DIAGNOSTICS):
         for i, g in enumerate(groups):
             _band(ax, [_smooth(r.series.get(key, {}), smooth) for r in g.runs], colors[i % len(colors)], name(g),

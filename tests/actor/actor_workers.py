@@ -255,3 +255,47 @@ def _packed_row(vocab: int, lens: list[int], pad: int = 0, seed: int = 3):
     b = TrainBatch([torch.randint(0, vocab, (n,), generator=g) for n in lens], [1] * len(lens))
     mb = build_microbatch(b, list(range(len(lens))))
     return b, (mb.padded_to(mb.seq_len + pad) if pad else mb)
+
+
+def correction_worker():
+    """The three-policy objective through the actor: (a) behaviour = proximal (the actor's own log-probs) with
+    TIS gives bypass's step exactly, M2PO's global mask included; (b) behaviour shifted by a constant log c
+    below the proximal gives TIS weight min(c, C) on every token, so GRPO without trust region (loss -A r)
+    with c < C equals bypass, and with c > C is C / c of it; (c) MIS drops the tokens outside [1/C, C]."""
+    import math
+
+    from m2po_megatron.actor.actor import MegatronActor
+
+    cfg = tiny_config("qwen2_untied")
+    hf = make_hf_model(cfg)
+    out = {}
+
+    def actor(loss, corr):
+        return MegatronActor(hf_config=cfg, load_from=hf, micro_batch_tokens=40, optimizer="sgd", lr=0.1,
+                             weight_decay=0.0, clip_grad=0.0, loss_name=loss, m2po_tau=0.02,
+                             use_distributed_optimizer=False, rollout_correction=corr)
+
+    def step(loss, corr, batch, nmb=2):
+        a = actor(loss, corr)
+        m = a.train_step(batch, num_minibatches=nmb)
+        w = {k: v.clone() for k, v in a.model_chunks()[0].state_dict().items() if isinstance(v, torch.Tensor)}
+        a.close()
+        return m, w
+
+    batch = make_batch(n=8, vocab=cfg["vocab_size"], ref_model=hf)
+    a = actor("m2po", None)
+    own, _ = a.compute_log_probs(batch, with_entropy=False)
+    a.close()
+    batch.behav_log_probs = [x.clone() for x in own]
+    out["same"] = {mode: step("m2po", None if mode == "bypass" else {"mode": mode}, batch)
+                   for mode in ("bypass", "tis")}
+    for name, c in (("below", 1.5), ("above", 3.0)):
+        shifted = make_batch(n=8, vocab=cfg["vocab_size"], ref_model=hf)
+        shifted.behav_log_probs = [x - math.log(c) for x in own]
+        out[name] = {mode: step("grpo_notr", None if mode == "bypass" else {"mode": "tis", "threshold": 2.0},
+                                shifted, nmb=1)[0] for mode in ("bypass", "tis")}
+    noisy = make_batch(n=8, vocab=cfg["vocab_size"], ref_model=hf)  # behaviour = HF + N(0, 0.3) noise
+    d = torch.cat(own) - torch.cat(noisy.behav_log_probs)
+    out["mis"] = (step("grpo", {"mode": "mis", "threshold": 1.2}, noisy)[0],
+                  float((d.abs() > math.log(1.2)).double().mean()))
+    return out

@@ -116,3 +116,22 @@ def test_activation_recompute_gives_the_same_step():
         assert out[name]["loss"] == ref["loss"], name
         diff = max(float((out[name]["weights"][k] - v).abs().max()) for k, v in ref["weights"].items())
         assert diff == 0.0, (name, diff)
+
+
+@pytest.mark.timeout(400)
+def test_rollout_correction_three_policy_step():
+    out = run_multiprocess(w.correction_worker, 1, timeout=380)[0]
+    (mb, wb), (mt, wt) = out["same"]["bypass"], out["same"]["tis"]
+    assert mt["loss"] == pytest.approx(mb["loss"], abs=1e-7) and mt["grad_norm"] == pytest.approx(mb["grad_norm"])
+    assert mt["m2po_global/num_dropped"] == mb["m2po_global/num_dropped"]
+    assert max(float((wt[k] - wb[k]).abs().max()) for k in wb) <= 1e-6
+    assert mt["rollout_corr/kl_k1"] == 0 and mt["rollout_corr/ratio_p50"] == 1
+    assert mt["rollout_corr/weight_mean"] == 1 and mt["rollout_corr/truncated_frac"] == 0
+    assert "rollout_corr/kl_k1" not in mb  # bypass makes no proximal pass
+    below, above = out["below"], out["above"]
+    assert below["tis"]["loss"] == pytest.approx(below["bypass"]["loss"], rel=1e-5)
+    assert below["tis"]["rollout_corr/weight_mean"] == pytest.approx(1.5, rel=1e-5)
+    assert above["tis"]["loss"] == pytest.approx(above["bypass"]["loss"] * 2.0 / 3.0, rel=1e-5)
+    assert above["tis"]["rollout_corr/truncated_frac"] == 1
+    mis, expected = out["mis"]
+    assert 0 < expected < 1 and mis["rollout_corr/masked_frac"] == pytest.approx(expected, abs=1e-9)

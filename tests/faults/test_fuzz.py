@@ -99,3 +99,27 @@ def test_prepare_data_on_any_input_exits_0_or_2(text):
             assert err.strip() and "Traceback" not in err
         else:
             assert (Path(d) / "out" / "train.jsonl").stat().st_size > 0
+
+
+_corr_value = st.one_of(st.sampled_from(["bypass", "tis", "mis", "icepop", "geometric", "token", "sequence",
+                                         "mask", "truncate", "null", "1", "2.0", "0.5", "0", "-1", ".inf",
+                                         ".nan", "true"]), yaml_text)
+_corr_overrides = st.lists(st.tuples(st.sampled_from(["mode", "level", "threshold", "threshold_lower",
+                                                      "geometric_action"]), _corr_value)
+                           .map(lambda kv: f"algo.rollout_correction.{kv[0]}={kv[1]}"), min_size=1, max_size=4)
+
+
+@SETTINGS
+@given(_corr_overrides)
+def test_rollout_correction_fields_validate_or_name_the_field(ov):
+    """What `m2po config` accepts, the actor accepts (the same CorrectionSpec); what it refuses names
+    algo.rollout_correction.<field>."""
+    from m2po_megatron.algo.rollout_correction import CorrectionSpec
+
+    rc, out, err = run_cli(["config", "tiny-cpu", "--no-check-files", *ov])
+    assert rc in (0, 2), (ov, rc, err)
+    if rc == 2:
+        assert err.strip() and "Traceback" not in err, (ov, err)
+    else:
+        cfg = load_config("tiny-cpu", ov, check_files=False)
+        CorrectionSpec(**dict(cfg.algo.rollout_correction))
