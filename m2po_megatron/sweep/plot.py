@@ -218,9 +218,13 @@ def plot_groups(groups, out_dir: PathLike, smooth: int = 5) -> list[Path]:
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
 
-    rows = (len(DIAGNOSTICS) + 1) // 2
-    fig, axes = plt.subplots(rows, 2, figsize=(12, 3 * rows), sharex=True)
-    for ax, (title, key, log) in zip(axes.flat, DIAGNOSTICS):
+    # Panels of metrics no run logged (e.g. rollout correction in two-policy runs) are left out.
+    diags = [d for d in DIAGNOSTICS if any(r.series.get(d[1]) for g in groups for r in g.runs)] or DIAGNOSTICS
+    rows = (len(diags) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 3 * rows), sharex=True, squeeze=False)
+    for ax in axes.flat[len(diags):]:
+        ax.set_visible(False)
+    for ax, (title, key, log) in zip(axes.flat, diags):
         for i, g in enumerate(groups):
             _band(ax, [_smooth(r.series.get(key, {}), smooth) for r in g.runs], colors[i % len(colors)], name(g),
                   log=log, linewidth=1.2)
