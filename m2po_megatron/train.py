@@ -123,7 +123,10 @@ def train(cfg: DictConfig) -> Path:
             with generator.locked():
                 accounting = ledger.end_step(pending=generator.pending())  # generated = consumed + dropped + pending
             gen = generator.stats(since=t0)
-            metrics = {"version": version, **sb.metrics, **out, **accounting, **gen.rewards, **sync_stats,
+            if cfg.train.filter_groups.enable:  # a step that could not fill its batch says so
+                gen.filter["filter_groups/unfilled_groups"] = cfg.train.prompts_per_step - len(groups)
+            metrics = {"version": version, **sb.metrics, **out, **accounting, **gen.rewards, **gen.filter,
+                       **sync_stats,
                        "time/wait_rollout": t_wait, "time/train": t_train, "time/weight_sync": t_sync,
                        "time/step": time.perf_counter() - t0,
                        "tokens_per_s/train": sb.metrics.get("batch/tokens", 0) / max(t_train, 1e-9),

@@ -158,11 +158,22 @@ class RewardSection:
 
 
 @dataclass
+class FilterGroupsSection:
+    """DAPO's dynamic sampling, named as verl's algorithm.filter_groups: drop groups whose rewards are all
+    equal (zero advantage) and generate more, so that a step trains prompts_per_step informative groups."""
+    enable: bool = False
+    # generation budget per step in batches of prompts_per_step groups (verl's max_num_gen_batches; >= 1,
+    # 1 = no extra generation). A step that cannot fill its batch within it trains on what it has.
+    max_num_gen_batches: int = 4
+
+
+@dataclass
 class TrainSection:
     steps: int = 1000
     prompts_per_step: int = 256
     updates_per_step: int = 4  # optimizer mini-batches per step
     micro_batch_tokens: int = 30000  # token budget of a packed micro-batch
+    filter_groups: FilterGroupsSection = field(default_factory=FilterGroupsSection)
 
 
 @dataclass

@@ -59,6 +59,7 @@ POSITIVE = [
     "rollout.max_concurrency", "rollout.request_timeout_s", "rollout.health_timeout_s", "rollout.bucket_mb",
     "data.max_prompt_len", "reward.num_workers", "reward.timeout_s", "train.steps",
     "train.prompts_per_step", "train.updates_per_step", "train.micro_batch_tokens",
+    "train.filter_groups.max_num_gen_batches",
     "staleness.sync_interval", "eval.n_samples", "checkpoint.keep_last", "cluster.trainer_nodes",
     "cluster.object_store_memory_mb", "cluster.timeout_s",
 ]

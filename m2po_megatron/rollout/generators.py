@@ -15,7 +15,8 @@ import queue
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Optional, Protocol, runtime_checkable
 
 from m2po_megatron.data.prompts import PromptStream, Tokenize
@@ -75,6 +76,7 @@ class Generator(Protocol):
 class GenStats:
     rewards: dict  # reward-pool counters since the previous call (timeouts, errors, verdicts)
     tokens_per_s: float  # generated tokens per second of wall time since then (all servers together)
+    filter: dict = field(default_factory=dict)  # filter_groups/* since then (when enabled)
 
 
 class LockedRewards:
@@ -99,6 +101,7 @@ class GroupMaker:
         self.reward_stats: dict = {}
         self.gen_tokens = 0
         self._tp_mark: Optional[tuple[float, int]] = None  # (time, gen_tokens) at the previous stats()
+        self.filter_counts: Counter = Counter()  # train.filter_groups: kept / dropped groups, generation rounds
 
     def new_group(self, gid: str, row: dict) -> Group:
         return Group(group_id=gid, prompt_id=str(row["id"]), prompt_ids=self.tokenize(row["prompt"]),
@@ -132,13 +135,33 @@ class GroupMaker:
         for s, r in zip(samples, scores):
             s.reward = float(r)
 
+    @staticmethod
+    def informative(group: Group) -> bool:
+        """False when the rewards of the group's scored samples are all equal (GRPO's advantages are then
+        all 0); groups with fewer than two scored samples are kept (build_step_batch decides on them)."""
+        r = [s.reward for s in group.samples if s.finish_reason != "abort" and s.output_ids and s.reward is not None]
+        return len(r) < 2 or max(r) != min(r)
+
+    def drop_uninformative(self, group: Group, ledger) -> None:
+        ledger.drop(group.sample_ids, "zero_variance")
+        self.count_filter(dropped_groups=1)
+
+    def count_filter(self, **counts: int) -> None:
+        with self.reward_lock:  # stats() swaps the counters under it, from the loop's thread
+            self.filter_counts.update(counts)
+
     def stats(self, since: float) -> GenStats:
         with self.reward_lock:
             rewards, self.reward_stats = self.reward_stats, {}
+            counts, self.filter_counts = self.filter_counts, Counter()
         now, tokens = time.perf_counter(), self.gen_tokens
         last_t, last_tokens = self._tp_mark or (since, 0)
         self._tp_mark = (now, tokens)
-        return GenStats(rewards, (tokens - last_tokens) / max(now - last_t, 1e-9))
+        seen = counts["kept_groups"] + counts["dropped_groups"]
+        filt = {f"filter_groups/{k}": v for k, v in counts.items()}
+        if seen:
+            filt["filter_groups/dropped_frac"] = counts["dropped_groups"] / seen
+        return GenStats(rewards, (tokens - last_tokens) / max(now - last_t, 1e-9), filt)
 
     def eval_rewards(self) -> LockedRewards:
         return LockedRewards(self.rewards, self.reward_lock)
@@ -150,17 +173,44 @@ class SyncGenerator:
 
     def __init__(self, maker: GroupMaker, prompts: PromptStream, ledger, groups_per_step: int,
                  lag_queue=None, recompute_logprobs: Optional[Callable[[list[Group]], None]] = None,
-                 timeout_s: float = 3600.0):
+                 timeout_s: float = 3600.0, max_gen_batches: Optional[int] = None):
+        """max_gen_batches: train.filter_groups (None: off): drop zero-variance groups and generate the
+        missing ones again, at most max_gen_batches generation rounds per batch."""
         self.maker, self.prompts, self.ledger = maker, prompts, ledger
         self.groups_per_step, self.queue, self.recompute = groups_per_step, lag_queue, recompute_logprobs
+        self.max_gen_batches = max_gen_batches
         self.timeout_s = timeout_s
         self.lock = threading.Lock()  # single-threaded; the loop takes it as it does the async one's
         self.next_gid = 0
         self.warmup_iterations = 0
 
     def _generate_batch(self) -> list[Group]:
+        """One step's groups: generated, scored, and with filter_groups on, the zero-variance ones dropped
+        and replaced by new prompts, round by round, until the batch is full or the rounds are spent."""
+        kept, rounds, need = [], 0, self.groups_per_step
+        while True:
+            groups = self._generate(need)
+            rounds += 1
+            if self.max_gen_batches is None:
+                kept = groups
+                break
+            for g in groups:
+                if self.maker.informative(g):
+                    kept.append(g)
+                else:
+                    self.maker.drop_uninformative(g, self.ledger)
+            need = self.groups_per_step - len(kept)
+            if need <= 0 or rounds >= self.max_gen_batches:
+                break
+        if self.max_gen_batches is not None:
+            self.maker.count_filter(kept_groups=len(kept), gen_batches=rounds)
+        if self.recompute is not None and kept:  # the released code: behaviour log-probs from the trainer
+            self.recompute(kept)
+        return kept
+
+    def _generate(self, count: int) -> list[Group]:
         groups = []
-        for _ in range(self.groups_per_step):
+        for _ in range(count):
             gid = f"g{self.next_gid}"
             self.next_gid += 1
             groups.append(self.maker.new_group(gid, self.prompts.next()))
@@ -174,8 +224,6 @@ class SyncGenerator:
                 raise TimeoutError(f"group {g.group_id}: no answer from the rollout servers within "
                                    f"{self.timeout_s:.0f} s") from None
         self.maker.score(groups)
-        if self.recompute is not None:  # the released code: behaviour log-probs from the trainer
-            self.recompute(groups)
         return groups
 
     def next_groups(self, version: int, timeout_s: Optional[float] = None) -> list[Group]:
@@ -242,9 +290,16 @@ class AsyncGenerator:
     (StalenessController) decides how many groups may be in flight; finished, scored groups wait in a
     buffer until `next_groups` takes a batch, earliest deadline first."""
 
-    def __init__(self, maker: GroupMaker, prompts: PromptStream, ledger, controller, groups_per_step: int):
+    def __init__(self, maker: GroupMaker, prompts: PromptStream, ledger, controller, groups_per_step: int,
+                 max_gen_batches: Optional[int] = None):
+        """max_gen_batches: train.filter_groups (None: off). A zero-variance group is dropped as it
+        finishes, which frees its admission slot, so the controller admits (and counts) its replacement;
+        once max_gen_batches x groups_per_step groups finished since the last batch, a batch short of
+        groups_per_step is taken (if the deadlines allow it)."""
         self.maker, self.prompts, self.ledger, self.ctl = maker, prompts, ledger, controller
         self.groups_per_step = groups_per_step
+        self.max_gen_batches = max_gen_batches
+        self.finished_since_batch = 0  # groups finished (kept or dropped) since the last batch was taken
         self.lock = threading.Condition()
         self.finished: dict[str, Group] = {}
         self.inflight: dict[str, Group] = {}
@@ -312,6 +367,14 @@ class AsyncGenerator:
                 self.ctl.on_dropped(gid)
                 self.ledger.drop(group.sample_ids, "aborted")
                 return
+            if self.max_gen_batches is not None:
+                self.finished_since_batch += 1
+                if not self.maker.informative(group):
+                    self.ctl.on_dropped(gid)
+                    self.maker.drop_uninformative(group, self.ledger)
+                    self.lock.notify_all()
+                    return
+                self.maker.count_filter(kept_groups=1)
             self.ctl.on_generated(gid, oldest)
             self.finished[gid] = group
             self.lock.notify_all()
@@ -330,14 +393,22 @@ class AsyncGenerator:
                     else:  # still generating: dropped when it arrives
                         self.discard.add(gid)
                 ids = self.ctl.select_batch()
+                if ids is None and self._budget_spent():
+                    ids = self.ctl.select_batch(n=len(self.finished))
                 if ids is not None:
                     self.ctl.on_consumed(ids)
+                    self.finished_since_batch = 0
                     return [self.finished.pop(g) for g in ids]
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"no batch of {self.groups_per_step} groups within {timeout_s:.0f} s; "
                                        f"are the rollout servers alive?")
                 self.lock.wait(timeout=min(1.0, left))
+
+    def _budget_spent(self) -> bool:
+        """filter_groups: this step's generation budget is used up and some groups wait (lock held)."""
+        return (self.max_gen_batches is not None and 0 < len(self.finished) < self.groups_per_step
+                and self.finished_since_batch >= self.max_gen_batches * self.groups_per_step)
 
     def locked(self) -> ContextManager:
         return self.lock
@@ -418,12 +489,13 @@ def make_generator(cfg, client, rewards, tokenizer, prompts: PromptStream, ledge
     from m2po_megatron.staleness import FixedLagQueue, StalenessController
 
     r, s, t = cfg.rollout, cfg.staleness, cfg.train
+    budget = t.filter_groups.max_num_gen_batches if t.filter_groups.enable else None
     maker = GroupMaker(client, rewards, tokenizer, Tokenize(tokenizer, cfg.data.max_prompt_len),
                        rollout_sampling(cfg), n=r.n_samples_per_prompt, seed=cfg.run.seed)
     if s.mode == "bounded":
         ctl = StalenessController(s.max_staleness, groups_per_step=t.prompts_per_step,
                                   updates_per_step=t.updates_per_step, sync_interval=s.sync_interval)
-        return AsyncGenerator(maker, prompts, ledger, ctl, t.prompts_per_step)
+        return AsyncGenerator(maker, prompts, ledger, ctl, t.prompts_per_step, max_gen_batches=budget)
     lag = FixedLagQueue(s.lag_steps, t.updates_per_step) if s.mode == "fixed_lag" else None
     recompute = trainers.recompute_behaviour_logprobs if s.behav_logprob_source == "trainer" else None
-    return SyncGenerator(maker, prompts, ledger, t.prompts_per_step, lag, recompute)
+    return SyncGenerator(maker, prompts, ledger, t.prompts_per_step, lag, recompute, max_gen_batches=budget)

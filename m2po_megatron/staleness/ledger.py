@@ -12,6 +12,7 @@ DROP_REASONS = (
     "aborted",  # generation aborted (server error, shutdown, weight update with retraction)
     "filtered",  # removed by a data filter (today: a sample with no output tokens)
     "interrupted",  # in flight when the run stopped; regenerated after resume under a new id
+    "zero_variance",  # its group's rewards were all equal (train.filter_groups: zero advantage, nothing to learn)
 )
 
 

@@ -138,3 +138,50 @@ def test_a_failed_push_still_resumes_generation(tok):
 def test_locked_is_the_lock_the_generation_thread_takes(tok):
     gen = async_gen(tok)
     assert gen.locked() is gen.lock  # _admit, _finish and next_groups take it
+
+
+def _results(tok, texts):
+    return [SampleResult(output_ids=tok(t, add_special_tokens=False)["input_ids"], output_logprobs=[-1.0],
+                         token_versions=[0], finish_reason="stop", prompt_tokens=3, weight_version=0)
+            for t in texts]
+
+
+def test_bounded_filter_groups_drops_uniform_groups_and_takes_a_short_batch_when_the_budget_is_spent(tok):
+    """max_gen_batches=1, 2 groups per step: an all-wrong group is dropped as it finishes (ledger
+    zero_variance, its admission slot freed for a replacement); after 2 finished groups the one informative
+    group is trained as a short batch instead of waiting for a second."""
+    with RewardPool(num_workers=1, timeout_s=20.0) as pool:
+        ledger = SampleLedger()
+        gen = AsyncGenerator(maker(tok, pool), PromptStream(ROWS, 0), ledger, controller(), 2, max_gen_batches=1)
+        admitted = gen._admit()
+        capacity = gen.ctl.capacity()
+        uniform, mixed = admitted[0], admitted[1]
+        gen._finish(uniform, _results(tok, ["no idea", "none"]))  # both wrong: zero variance
+        assert ledger.counters()["samples/dropped/zero_variance"] == N and gen.ctl.capacity() == capacity + 1
+        assert uniform.group_id not in gen.finished
+        with pytest.raises(TimeoutError):  # 1 finished group, budget not spent yet: wait for a full batch
+            gen.next_groups(0, timeout_s=0.01)
+        answer = mixed.answer
+        gen._finish(mixed, _results(tok, [rf"\boxed{{{answer}}}", "no idea"]))
+        batch = gen.next_groups(0, timeout_s=5)
+        assert [g.group_id for g in batch] == [mixed.group_id]
+        with gen.locked():
+            ledger.check(gen.pending() + len(batch[0].samples))  # the batch is pending until the loop consumes it
+        stats = gen.stats(since=0.0).filter
+        assert stats["filter_groups/dropped_groups"] == 1 and stats["filter_groups/kept_groups"] == 1
+        assert stats["filter_groups/dropped_frac"] == 0.5
+
+
+def test_informative_means_unequal_rewards_among_scored_samples(tok):
+    from m2po_megatron.rollout.samples import Group, Sample
+
+    def group(rewards, reasons=None):
+        reasons = reasons or ["stop"] * len(rewards)
+        return Group("g", "p", [1], "1", [Sample(f"g/{i}", "g", [1], [2], [0.0], [0], r, "1", reward=w)
+                                          for i, (w, r) in enumerate(zip(rewards, reasons))])
+
+    assert not GroupMaker.informative(group([1.0, 1.0, 1.0]))
+    assert not GroupMaker.informative(group([0.0, 0.0]))
+    assert GroupMaker.informative(group([0.0, 1.0]))
+    assert GroupMaker.informative(group([1.0]))  # one scored sample: build_step_batch decides
+    assert not GroupMaker.informative(group([1.0, 0.0, 1.0], ["stop", "abort", "stop"]))  # the abort is not scored

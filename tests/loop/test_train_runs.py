@@ -147,3 +147,42 @@ def test_demo_shortened(tiny_task, tmp_path, small_eval):
     run = tmp_path / "tiny-cpu"
     assert "held-out accuracy" in p.stdout and (run / "plot.png").stat().st_size > 10_000
     assert (run / "config.yaml").exists() and list((run / "checkpoints").glob("step_*/COMPLETE"))
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT + 60)
+@pytest.mark.parametrize("mode", ["on_policy", "fixed_lag", "bounded"])
+def test_filter_groups_drops_uniform_groups_with_exact_accounting(tiny_task, tmp_path, mode):
+    """train.filter_groups in each staleness mode: zero-variance groups are dropped with reason
+    zero_variance (every sample of the group, so the identity holds at every step), more are generated
+    within the budget, each trained batch holds only informative groups, and a short batch says so. The
+    bounded run also takes the three-policy objective (MIS) against a bf16 rollout server."""
+    extra = {"on_policy": ["staleness.mode=on_policy"],
+             "fixed_lag": ["staleness.mode=fixed_lag", "staleness.lag_steps=1"],
+             "bounded": ["staleness.mode=bounded", "staleness.max_staleness=2", "staleness.sync_interval=2",
+                         "rollout.dtype=bfloat16", "algo.rollout_correction.mode=mis",
+                         "algo.rollout_correction.threshold=1.5"]}[mode]
+    G, n, budget = 8, 4, 2
+    p = m2po("train", "tiny-cpu", *overrides(tiny_task, tmp_path, mode, "parallel.tensor_model_parallel_size=1",
+                                             "train.steps=3", "train.filter_groups.enable=true",
+                                             f"train.filter_groups.max_num_gen_batches={budget}", *extra))
+    ok(p)
+    rows = steps(tmp_path / mode)
+    assert len(rows) == 3
+    assert_accounting(rows)
+    dropped = sum(r.get("filter_groups/dropped_groups", 0) for r in rows)
+    assert dropped > 0, rows  # the tiny task at ~35 % accuracy: all-wrong groups of 4 are common
+    zero_var = rows[-1]["samples/dropped/zero_variance"]
+    if mode == "bounded":  # background generation may drop more after the last step's counters
+        assert dropped * n <= zero_var
+    else:
+        assert dropped * n == zero_var
+        warmup = 1 if mode == "fixed_lag" else 0  # step 1 of fixed_lag also generates the lag's batch
+        assert all(1 <= r["filter_groups/gen_batches"] <= budget * (1 + (warmup if i == 0 else 0))
+                   for i, r in enumerate(rows))
+    for r in rows:
+        trained = G - r["filter_groups/unfilled_groups"]
+        assert 0 <= r["filter_groups/unfilled_groups"] <= G
+        if trained:
+            assert r["batch/sequences"] <= trained * n and r["advantage/abs_mean"] > 0
+    if mode == "bounded":
+        assert all(r["rollout_corr/kl_k1"] != 0 and "rollout_corr/masked_frac" in r for r in rows)
