@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
 import hmac
-import io
 import json
 import logging
 import os
@@ -28,6 +26,8 @@ import socket
 import sys
 import time
 import uuid
+
+from m2po_megatron.rollout.server_weights import WeightEndpoints
 
 log = logging.getLogger("m2po.local_server")
 
@@ -39,9 +39,6 @@ _GENERATE_UNSUPPORTED = {"text": None, "input_embeds": None, "image_data": None,
                          "sampling_logprobs_mode": None, "return_sampling_mask": None, "return_entropy": False,
                          "return_routed_experts": False}
 _HEALTH_PATHS = ("/health", "/health_generate")
-_NO_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
-_NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
-                "queued. Retract or finish them, then call /flush_cache.")
 LISTEN_FD_ENV = "M2PO_LISTEN_FD"  # an inherited, bound socket to serve on (rollout/launcher.py)
 
 
@@ -50,13 +47,6 @@ def _json_error(status: int, message: str):
 
     return web.json_response({"error": {"message": message, "code": status}, "success": False,
                               "message": message}, status=status)
-
-
-def _answer(success: bool, message: str, **extra):
-    """SGLang's answer to a control call: {success, message}, HTTP 200 or 400."""
-    from aiohttp import web
-
-    return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
 
 
 class RWLock:
@@ -102,7 +92,9 @@ class RWLock:
         return self._writer or self._readers > 0
 
 
-class LocalServer:
+class LocalServer(WeightEndpoints):
+    """The HTTP endpoints over one Engine; the weight-update ones are WeightEndpoints' (server_weights.py)."""
+
     def __init__(self, engine, args):
         self.engine = engine
         self.args = args
@@ -389,134 +381,6 @@ class LocalServer:
             self.engine.resume()
             self.unpaused.set()
         return web.json_response({"success": True, "message": "Generation continued successfully."})
-
-    # ------------------------------------------------------------------ weights
-    async def init_group(self, request):
-        from aiohttp import web
-
-        from m2po_megatron.rollout.process_group import init_custom_process_group
-
-        body = await self._body(request, "POST /init_weights_update_group")
-        backend = body.get("backend", "nccl")
-        if backend != "gloo":
-            raise ValueError(f"backend {backend!r}: the CPU server joins weight-update groups over gloo only")
-        name = body.get("group_name", "weight_update_group")
-        if name in self.groups:
-            raise ValueError(f"weight update group {name!r} already exists; destroy it first")
-        pg = await asyncio.to_thread(init_custom_process_group, backend="gloo",
-                                     master_address=body["master_address"], master_port=body["master_port"],
-                                     world_size=body["world_size"], rank=body["rank_offset"], group_name=name,
-                                     timeout_s=float(os.environ.get("M2PO_WEIGHT_SYNC_TIMEOUT_S", "600")))
-        self.groups[name] = pg
-        return web.json_response({"success": True, "message": f"Succeeded to initialize group {name}."})
-
-    async def destroy_group(self, request):
-        from aiohttp import web
-
-        from m2po_megatron.rollout.process_group import destroy_custom_process_group
-
-        body = await self._body(request, "POST /destroy_weights_update_group")
-        name = body.get("group_name", "weight_update_group")
-        pg = self.groups.pop(name, None)
-        if pg is None:
-            raise ValueError(f"no weight update group {name!r}")
-        destroy_custom_process_group(pg)
-        return web.json_response({"success": True, "message": f"Succeeded to destroy group {name}."})
-
-    async def begin_update(self, request):
-        body = await self._body(request, "POST /begin_weight_update")
-        async with self._update_lock():
-            if self.session is not None:
-                return _answer(False, "a weight-update session is already open; call end_weight_update() first")
-            self.session = body.get("selector", "all")
-        return _answer(True, "Success")
-
-    async def end_update(self, request):
-        await self._body(request, "POST /end_weight_update")
-        async with self._update_lock():
-            if self.session is None:
-                return _answer(False, "no weight-update session is open; call begin_weight_update() first")
-            self.session = None
-        return _answer(True, "Success")
-
-    def _load(self, body: dict, named) -> tuple[bool, str]:
-        """Load received tensors (a "draft" selector loads nothing: this server has no draft model, as an
-        SGLang server without speculative decoding), record the version, then flush as asked."""
-        if body.get("selector", "all") != "draft":
-            self.engine.load_weights(named, None)
-        if body.get("weight_version") is not None:
-            self.engine.load_weights([], body["weight_version"])
-        if body.get("flush_cache", True) and not self._flushed():
-            return False, _NOT_FLUSHED
-        message = "Succeeded to update parameter online."
-        if body.get("weight_version") is not None:
-            message += f" Weight version updated to {body['weight_version']}."
-        return True, message
-
-    async def update_distributed(self, request):
-        body = await self._body(request, "POST /update_weights_from_distributed")
-        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-        if body.get("abort_all_requests"):
-            self.engine.abort(None, "Abort by weight update")
-        async with self._update_lock():
-            if self.session is None:  # SGLang answers at once and never joins the broadcast
-                return _answer(False, _NO_SESSION.format("update_weights_from_distributed"))
-            pg = self.groups.get(body.get("group_name", "weight_update_group"))
-            if pg is None or not len(names) == len(dtypes) == len(shapes) \
-                    or body.get("load_format") not in (None, "auto"):
-                why = ("no such weight update group: call /init_weights_update_group first" if pg is None else
-                       f"load_format {body['load_format']!r} is not supported by the CPU server"
-                       if body.get("load_format") not in (None, "auto") else
-                       "names, dtypes and shapes must have the same length")
-                return _answer(False, f"Failed to receive weights: {why}")
-            try:
-                tensors = await asyncio.to_thread(_receive, pg, dtypes, shapes)
-            except Exception as e:  # noqa: BLE001 - reported like SGLang's receive failure
-                return _answer(False, f"Failed to receive weights: {e}")
-            try:
-                ok, message = self._load(body, list(zip(names, tensors)))
-            except (KeyError, ValueError) as e:  # after the receive, so the trainer's broadcast completed
-                return _answer(False, f"Failed to update weights: {e}")
-        return _answer(ok, message)
-
-    async def update_tensor(self, request):
-        import torch
-
-        body = await self._body(request, "POST /update_weights_from_tensor")
-        if body.get("load_format") not in (None, "auto"):
-            raise ValueError(f"load_format {body['load_format']!r} is not supported by the CPU server")
-        if body.get("abort_all_requests"):
-            self.engine.abort(None, "Abort by weight update")
-        async with self._update_lock():
-            if self.session is None:
-                return _answer(False, _NO_SESSION.format("update_weights_from_tensor"))
-            payload = base64.b64decode(body["serialized_named_tensors"][0])  # TP rank 0's share; one rank
-            named = torch.load(io.BytesIO(payload), weights_only=True)
-            if not isinstance(named, (list, tuple)) or not all(isinstance(x, (list, tuple)) and len(x) == 2
-                                                               for x in named):
-                raise ValueError("serialized_named_tensors[0] must be torch.save([(name, tensor), ...]) in base64")
-            ok, message = self._load(body, [(str(n), t) for n, t in named])
-        return _answer(ok, message)
-
-    async def update_weight_version(self, request):
-        from aiohttp import web
-
-        body = await self._body(request, "POST /update_weight_version")
-        if body.get("abort_all_requests", True):
-            self.engine.abort(None, "Abort by weight version update")
-        self.engine.load_weights([], body["new_version"])
-        return web.json_response({"success": True, "message": f"Weight version updated to {body['new_version']}",
-                                  "new_version": body["new_version"]})
-
-
-def _receive(pg, dtypes, shapes):
-    import torch
-    import torch.distributed as dist
-
-    out = [torch.empty(shape, dtype=getattr(torch, str(dt).removeprefix("torch."))) for dt, shape in zip(dtypes, shapes)]
-    for work in [dist.broadcast(t, src=0, group=pg, async_op=True) for t in out]:  # queued in order, as sent
-        work.wait()
-    return out
 
 
 def parser() -> argparse.ArgumentParser:
