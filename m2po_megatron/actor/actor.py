@@ -508,23 +508,12 @@ class MegatronActor:
         return {id(mb): k for mb, k in zip(mbs, res.keep_masks)}, stats
 
     def _three_policy(self, batch: TrainBatch) -> tuple[TrainBatch, dict]:
-        """The batch the losses see in a three-policy mode, and the correction's metrics: behav_log_probs
-        become the proximal log-probs (this rank's no-grad pass at the step's starting weights, shared by
-        every rank), loss_weights the correction's weights (0 on tokens it drops, which then also leave the
-        M2PO mask's trust region but stay in the loss denominators, as M2PO's own masked tokens do)."""
-        from m2po_megatron.algo import rollout_correction as rc
+        """The proximal pass (no grad, the step's starting weights, shared by every rank), then the batch the
+        losses see and the correction's metrics (actor.correction.three_policy_batch)."""
+        from .correction import three_policy_batch
 
         proximal, _ = self.compute_log_probs(batch, with_entropy=False)
-        rl = batch.response_lens
-        p = torch.cat(proximal)
-        b = torch.cat([x.float() for x in batch.behav_log_probs])
-        seq_ids = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(rl))
-        corr = rc.rollout_correction(p, b, torch.ones_like(p, dtype=torch.bool), self.correction,
-                                     seq_ids=seq_ids, num_seq_ids=len(batch))
-        metrics = rc.read_stats([corr.stats])[0]
-        out = TrainBatch(batch.input_ids, batch.prompt_lens, behav_log_probs=list(p.split(rl)),
-                         advantages=batch.advantages, loss_weights=list(corr.weights.float().split(rl)))
-        return out, metrics
+        return three_policy_batch(batch, proximal, self.correction)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str) -> None:
