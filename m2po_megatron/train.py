@@ -124,8 +124,8 @@ def train(cfg: DictConfig) -> Path:
                 accounting = ledger.end_step(pending=generator.pending())  # generated = consumed + dropped + pending
             gen = generator.stats(since=t0)
             if cfg.train.filter_groups.enable:  # a step that could not fill its batch says so
-                gen.filter["filter_groups/unfilled_groups"] = cfg.train.prompts_per_step - len(groups)
-            metrics = {"version": version, **sb.metrics, **out, **accounting, **gen.rewards, **gen.filter,
+                gen.extra["filter_groups/unfilled_groups"] = cfg.train.prompts_per_step - len(groups)
+            metrics = {"version": version, **sb.metrics, **out, **accounting, **gen.rewards, **gen.extra,
                        **sync_stats,
                        "time/wait_rollout": t_wait, "time/train": t_train, "time/weight_sync": t_sync,
                        "time/step": time.perf_counter() - t0,

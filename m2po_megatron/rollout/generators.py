@@ -76,7 +76,7 @@ class Generator(Protocol):
 class GenStats:
     rewards: dict  # reward-pool counters since the previous call (timeouts, errors, verdicts)
     tokens_per_s: float  # generated tokens per second of wall time since then (all servers together)
-    filter: dict = field(default_factory=dict)  # filter_groups/* since then (when enabled)
+    extra: dict = field(default_factory=dict)  # filter_groups/* since then, the last engine_mismatch/*
 
 
 class LockedRewards:
@@ -102,6 +102,7 @@ class GroupMaker:
         self.gen_tokens = 0
         self._tp_mark: Optional[tuple[float, int]] = None  # (time, gen_tokens) at the previous stats()
         self.filter_counts: Counter = Counter()  # train.filter_groups: kept / dropped groups, generation rounds
+        self.mismatch: dict = {}  # engine_mismatch/* of the last recomputed batch (behav_logprob_source=trainer)
 
     def new_group(self, gid: str, row: dict) -> Group:
         return Group(group_id=gid, prompt_id=str(row["id"]), prompt_ids=self.tokenize(row["prompt"]),
@@ -154,6 +155,7 @@ class GroupMaker:
         with self.reward_lock:
             rewards, self.reward_stats = self.reward_stats, {}
             counts, self.filter_counts = self.filter_counts, Counter()
+            mismatch, self.mismatch = self.mismatch, {}
         now, tokens = time.perf_counter(), self.gen_tokens
         last_t, last_tokens = self._tp_mark or (since, 0)
         self._tp_mark = (now, tokens)
@@ -161,7 +163,11 @@ class GroupMaker:
         filt = {f"filter_groups/{k}": v for k, v in counts.items()}
         if seen:
             filt["filter_groups/dropped_frac"] = counts["dropped_groups"] / seen
-        return GenStats(rewards, (tokens - last_tokens) / max(now - last_t, 1e-9), filt)
+        return GenStats(rewards, (tokens - last_tokens) / max(now - last_t, 1e-9), {**filt, **mismatch})
+
+    def note_mismatch(self, metrics: dict) -> None:
+        with self.reward_lock:
+            self.mismatch = dict(metrics)
 
     def eval_rewards(self) -> LockedRewards:
         return LockedRewards(self.rewards, self.reward_lock)
@@ -205,7 +211,7 @@ class SyncGenerator:
         if self.max_gen_batches is not None:
             self.maker.count_filter(kept_groups=len(kept), gen_batches=rounds)
         if self.recompute is not None and kept:  # the released code: behaviour log-probs from the trainer
-            self.recompute(kept)
+            self.maker.note_mismatch(self.recompute(kept) or {})
         return kept
 
     def _generate(self, count: int) -> list[Group]:

@@ -167,7 +167,7 @@ def test_bounded_filter_groups_drops_uniform_groups_and_takes_a_short_batch_when
         assert [g.group_id for g in batch] == [mixed.group_id]
         with gen.locked():
             ledger.check(gen.pending() + len(batch[0].samples))  # the batch is pending until the loop consumes it
-        stats = gen.stats(since=0.0).filter
+        stats = gen.stats(since=0.0).extra
         assert stats["filter_groups/dropped_groups"] == 1 and stats["filter_groups/kept_groups"] == 1
         assert stats["filter_groups/dropped_frac"] == 0.5
 

@@ -186,3 +186,21 @@ def test_filter_groups_drops_uniform_groups_with_exact_accounting(tiny_task, tmp
             assert r["batch/sequences"] <= trained * n and r["advantage/abs_mean"] > 0
     if mode == "bounded":
         assert all(r["rollout_corr/kl_k1"] != 0 and "rollout_corr/masked_frac" in r for r in rows)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 60)
+def test_staleness_and_engine_mismatch_parts_where_both_exist(tiny_task, tmp_path):
+    """fixed_lag with behaviour log-probs recomputed by the trainer at the generating weights (the released
+    code's choice) against a bf16 server, under TIS: engine_mismatch/* (trainer vs engine at equal weights,
+    measured at generation) is bf16's rounding, and rollout_corr/* (proximal vs behaviour) the staleness
+    alone: nothing at step 1 (data from the same weights), a drift at step 2 (data one step old)."""
+    p = m2po("train", "tiny-cpu", *overrides(
+        tiny_task, tmp_path, "parts", "parallel.tensor_model_parallel_size=1", "staleness.mode=fixed_lag",
+        "staleness.lag_steps=1", "staleness.behav_logprob_source=trainer", "rollout.dtype=bfloat16",
+        "algo.rollout_correction.mode=tis", "train.steps=2"))
+    ok(p)
+    rows = steps(tmp_path / "parts")
+    assert all(0 < r["engine_mismatch/kl_k3"] < 0.05 and r["engine_mismatch/ratio_p1"] < 1 < r["engine_mismatch/ratio_p99"]
+               for r in rows), rows
+    assert rows[0]["rollout_corr/kl_k1"] == pytest.approx(0, abs=1e-6)  # step 1 trains on the initial weights' data
+    assert rows[1]["rollout_corr/kl_k3"] > 1e-6  # step 2's data is one step (2 updates) old
