@@ -211,7 +211,10 @@ class SyncGenerator:
         if self.max_gen_batches is not None:
             self.maker.count_filter(kept_groups=len(kept), gen_batches=rounds)
         if self.recompute is not None and kept:  # the released code: behaviour log-probs from the trainer
-            self.maker.note_mismatch(self.recompute(kept) or {})
+            scored = [s for g in kept for s in g.samples if s.output_ids and s.finish_reason != "abort"]
+            engine = [list(s.logprobs) for s in scored]
+            self.recompute(kept)
+            self.maker.note_mismatch(engine_mismatch(engine, [s.logprobs for s in scored]))
         return kept
 
     def _generate(self, count: int) -> list[Group]:
@@ -470,6 +473,26 @@ class AsyncGenerator:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+
+
+def engine_mismatch(engine: list[list[float]], trainer: list[list[float]]) -> dict:
+    """engine_mismatch/*: KL(engine || trainer) k1 and k3 and the quantiles of trainer/engine over the tokens
+    of samples whose behaviour log-probs the trainer recomputed at the generating weights (equal weights,
+    so this is the engine's part of the mismatch alone; the staleness part is then rollout_corr/* of a
+    three-policy step). Empty when the engine returned no log-probs to compare."""
+    import torch
+
+    from m2po_megatron.algo import rollout_correction as rc
+
+    if not engine or [len(x) for x in engine] != [len(x) for x in trainer]:
+        return {}
+    e = torch.tensor([x for lp in engine for x in lp], dtype=torch.float32)
+    t = torch.tensor([x for lp in trainer for x in lp], dtype=torch.float32)
+    if not e.numel():
+        return {}
+    c = rc.rollout_correction(t, e, torch.ones_like(t, dtype=torch.bool), rc.CorrectionSpec())
+    return {k.replace("rollout_corr/", "engine_mismatch/"): v for k, v in rc.read_stats([c.stats])[0].items()
+            if k.split("/")[1].startswith(("kl_", "ratio_"))}
 
 
 def group_to_dict(g: Group) -> dict:

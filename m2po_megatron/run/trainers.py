@@ -63,32 +63,21 @@ class Ranks:
             raise RunError(f"a trainer rank died during {what} ({e.__class__.__name__}); the run stops. "
                            f"{resume_hint(self.ckpts)}") from e
 
-    def recompute_behaviour_logprobs(self, groups) -> dict:
-        """The released code's choice: behaviour log-probs from the trainer at the generating weights. Returns
-        the engine's part of the mismatch, engine_mismatch/* (KL(engine || trainer) k1, k3 and the quantiles
-        of trainer/engine, as rollout_corr/*), measured here where both log-probs exist; the staleness part is
-        then rollout_corr/* of a three-policy step (its behaviour is the trainer's)."""
+    def recompute_behaviour_logprobs(self, groups) -> None:
+        """The released code's choice: behaviour log-probs from the trainer at the generating weights."""
         import ray
         import torch
 
         from m2po_megatron.actor.batch import TrainBatch
-        from m2po_megatron.algo import rollout_correction as rc
 
         samples = [s for g in groups for s in g.samples if s.output_ids and s.finish_reason != "abort"]
         if not samples:
-            return {}
+            return
         batch = TrainBatch(input_ids=[torch.tensor(s.prompt_ids + s.output_ids) for s in samples],
                            prompt_lens=[len(s.prompt_ids) for s in samples])
         logps = self.call("compute_log_probs", ray.put(batch), what="recomputing behaviour log-probs")[0]
-        engine = torch.tensor([x for s in samples for x in s.logprobs], dtype=torch.float32)
-        trainer = torch.cat([lp.float() for lp in logps])
         for s, lp in zip(samples, logps):
             s.logprobs = [float(x) for x in lp]
-        if engine.shape != trainer.shape:  # an engine that returned no log-probs: nothing to compare
-            return {}
-        c = rc.rollout_correction(trainer, engine, torch.ones_like(trainer, dtype=torch.bool), rc.CorrectionSpec())
-        return {k.replace("rollout_corr/", "engine_mismatch/"): v for k, v in rc.read_stats([c.stats])[0].items()
-                if k.split("/")[1].startswith(("kl_", "ratio_"))}
 
     def kill(self) -> None:
         self.group.kill()
