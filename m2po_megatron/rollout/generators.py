@@ -140,7 +140,7 @@ class GroupMaker:
     def informative(group: Group) -> bool:
         """False when the rewards of the group's scored samples are all equal (GRPO's advantages are then
         all 0); groups with fewer than two scored samples are kept (build_step_batch decides on them)."""
-        r = [s.reward for s in group.samples if s.finish_reason != "abort" and s.output_ids and s.reward is not None]
+        r = [s.reward for s in _answered(group.samples) if s.reward is not None]
         return len(r) < 2 or max(r) != min(r)
 
     def drop_uninformative(self, group: Group, ledger) -> None:
@@ -211,7 +211,7 @@ class SyncGenerator:
         if self.max_gen_batches is not None:
             self.maker.count_filter(kept_groups=len(kept), gen_batches=rounds)
         if self.recompute is not None and kept:  # the released code: behaviour log-probs from the trainer
-            scored = [s for g in kept for s in g.samples if s.output_ids and s.finish_reason != "abort"]
+            scored = _answered(s for g in kept for s in g.samples)
             engine = [list(s.logprobs) for s in scored]
             self.recompute(kept)
             self.maker.note_mismatch(engine_mismatch(engine, [s.logprobs for s in scored]))
@@ -473,6 +473,11 @@ class AsyncGenerator:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+
+
+def _answered(samples) -> list[Sample]:
+    """Samples with output that was not aborted: the ones scored, recomputed and trained on."""
+    return [s for s in samples if s.output_ids and s.finish_reason != "abort"]
 
 
 def engine_mismatch(engine: list[list[float]], trainer: list[list[float]]) -> dict:
