@@ -381,19 +381,25 @@ class MegatronActor:
                                  f"ranks: lower num_minibatches ({num_minibatches}) or send a larger batch")
         times = dict.fromkeys(STEP_TIMES, 0.0)
         corr_metrics: dict = {}
+        engine = None  # three-policy steps: the engine's behaviour log-probs, for ratio_parts/*
         if self.correction.mode != "bypass":
             t = time.perf_counter()
+            engine = batch
             batch, corr_metrics = self._three_policy(batch)
             times["logprob_pass"] += time.perf_counter() - t
-        per_update = [self._train_minibatch(batch.select(mi), times) for mi in minis]
+        per_update = [self._train_minibatch(batch.select(mi), times, None if engine is None else engine.select(mi))
+                      for mi in minis]
         out = combine_updates(per_update, self.updates_applied)
         out.update(corr_metrics)
         out.update({f"time/actor/{k}": v for k, v in times.items()})
         out["time/actor/train_step"] = time.perf_counter() - t_start
         return out
 
-    def _train_minibatch(self, mb_batch: TrainBatch, times: dict) -> dict:
+    def _train_minibatch(self, mb_batch: TrainBatch, times: dict, engine_batch: Optional[TrainBatch] = None) -> dict:
+        """One update. engine_batch (three-policy steps): mb_batch with the engine's behaviour log-probs, whose
+        ratio to proximal (mb_batch's behaviour) and theta's drift from proximal go to ratio_parts/*."""
         from m2po_megatron.algo import losses as algo_losses
+        from m2po_megatron.algo.rollout_correction import ratio_parts
 
         lengths = mb_batch.lengths
         shard = shard_for_dp(lengths, self.dp_size)[self.dp_rank]
@@ -415,6 +421,7 @@ class MegatronActor:
         # sum); it is read once after the schedule, and a non-finite input raises there, before
         # optimizer.step (its tokens were left out of the loss, so the gradients stay finite until then).
         stats: list = []
+        parts: list = []
         ent_sums: list[torch.Tensor] = []
 
         def loss_fn(mb: MicroBatch, model_out):
@@ -434,6 +441,9 @@ class MegatronActor:
                 self.loss_name, logp, behav, adv, mask, seq_ids=seq_ids, num_seq_ids=len(mb.seq_index),
                 num_tokens=global_tokens, num_seqs=global_seqs, weights=weights, **kw)
             stats.append(st)
+            if engine_batch is not None:  # log(theta/engine) = drift log(theta/proximal) + mismatch log(proximal/engine)
+                eng = to_device(torch.cat([engine_batch.behav_log_probs[i].float() for i in mb.seq_index]), dev)
+                parts.append(ratio_parts(logp, behav, eng, torch.ones_like(mask)))
             ent_sums.append(ent.sum().float())
             return loss * (n_local * self.dp_size), {}
 
@@ -457,7 +467,7 @@ class MegatronActor:
             self.updates_applied += 1
         times["optimizer"] += time.perf_counter() - t_opt
 
-        reduced = (reduce_minibatch(mb_metrics, entropy_sum, mask_stats, dp_group=self.dp_group)
+        reduced = (reduce_minibatch(mb_metrics, entropy_sum, mask_stats, dp_group=self.dp_group, parts=parts)
                    if self.is_last_stage else None)
         out = self._on_all_stages(reduced)
         out.update({

@@ -2,17 +2,18 @@
 updates of a step combined. The exact combination is algo's (algo.metrics partials, algo.distributed)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from m2po_megatron.algo.distributed import all_reduce_partials
 from m2po_megatron.algo.losses import read_loss_stats
 from m2po_megatron.algo.metrics import from_partials, sum_partials
+from m2po_megatron.algo.rollout_correction import read_stats
 
 # Step metrics summed over a step's updates (the rest are means over updates, except the keys below).
 _SUMMED = ("num_tokens", "num_seqs", "num_microbatches", "m2po_global/num_dropped", "m2po_global/num_trust_region",
-           "count/tokens", "count/seqs")
+           "count/tokens", "count/seqs", "ratio_parts/count_tokens")
 
 
 def read_step_values(stats: list, ent_sums: list[torch.Tensor]) -> tuple[list[dict], float]:
@@ -30,16 +31,27 @@ def read_step_values(stats: list, ent_sums: list[torch.Tensor]) -> tuple[list[di
     return metrics, entropy_sum
 
 
-def reduce_minibatch(mb_metrics: list[dict], entropy_sum: float, mask_stats: dict, *, dp_group) -> dict:
+def reduce_minibatch(mb_metrics: list[dict], entropy_sum: float, mask_stats: dict, *, dp_group,
+                     parts: Optional[list] = None) -> dict:
     """The policy_loss metrics of this rank's micro-batches combined with every data-parallel rank's (exact
     weighted means, sums, min/max), plus the token-mean entropy, the micro-batch count and the batch-level
-    mask's stats. Called on the last pipeline stage; every rank of dp_group must call it."""
+    mask's stats. `parts`: the micro-batches' algo.rollout_correction.ratio_parts (three-policy steps), summed
+    on the device, read once and added over the ranks in the same all_reduce. Called on the last pipeline
+    stage; every rank of dp_group must call it, all with parts or all without."""
     sums, mins, maxes = sum_partials(mb_metrics)
     sums["_entropy_sum"] = entropy_sum
     sums["_mb"] = float(len(mb_metrics))
+    part_keys = []
+    if parts:
+        row = torch.stack([p.values for p in parts]).sum(0).tolist()
+        part_keys = [f"_parts/{i:03d}" for i in range(len(row))]
+        sums.update(zip(part_keys, row))
     sums, mins, maxes = all_reduce_partials(sums, mins, maxes, group=dp_group)
     ent, n_mb = sums.pop("_entropy_sum"), sums.pop("_mb")
+    part_row = [sums.pop(k) for k in part_keys]
     result = from_partials(sums, mins, maxes)
+    if parts:
+        result.update(read_stats([parts[0]], rows=[part_row])[0])  # raises on NaN/inf, on every rank alike
     result["entropy"] = ent / max(result.get("count/tokens", 0.0), 1.0)
     result["num_microbatches"] = int(n_mb)
     result.update(mask_stats)

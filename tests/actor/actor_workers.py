@@ -297,5 +297,6 @@ def correction_worker():
     noisy = make_batch(n=8, vocab=cfg["vocab_size"], ref_model=hf)  # behaviour = HF + N(0, 0.3) noise
     d = torch.cat(own) - torch.cat(noisy.behav_log_probs)
     out["mis"] = (step("grpo", {"mode": "mis", "threshold": 1.2}, noisy)[0],
-                  float((d.abs() > math.log(1.2)).double().mean()))
+                  float((d.abs() > math.log(1.2)).double().mean()), float(d.double().mean()),
+                  float(d.double().square().mean()))
     return out

@@ -1,4 +1,6 @@
 """Megatron actor on CPU/gloo in several processes, against HF transformers and against itself at TP1."""
+import math
+
 import pytest
 
 import actor_workers as w
@@ -133,5 +135,23 @@ def test_rollout_correction_three_policy_step():
     assert below["tis"]["rollout_corr/weight_mean"] == pytest.approx(1.5, rel=1e-5)
     assert above["tis"]["loss"] == pytest.approx(above["bypass"]["loss"] * 2.0 / 3.0, rel=1e-5)
     assert above["tis"]["rollout_corr/truncated_frac"] == 1
-    mis, expected = out["mis"]
+    mis, expected, d_mean, d_m2 = out["mis"]
     assert 0 < expected < 1 and mis["rollout_corr/masked_frac"] == pytest.approx(expected, abs=1e-9)
+    # ratio_parts/*: log(theta/engine) = drift log(theta/proximal) + mismatch log(proximal/engine), per update
+    assert "ratio_parts/drift_m2" not in mb
+    first, second = mt["per_update"]
+    assert first["ratio_parts/mismatch_m2"] == 0 and second["ratio_parts/mismatch_m2"] == 0
+    assert first["ratio_parts/drift_m2"] < 1e-12 < second["ratio_parts/drift_m2"]  # the first update moved theta
+    assert second["ratio_parts/total_m2"] == pytest.approx(second["ratio_parts/drift_m2"], rel=1e-12)
+    assert mt["ratio_parts/count_tokens"] == mt["num_tokens"]
+    b = below["tis"]
+    assert b["ratio_parts/mismatch_mean"] == pytest.approx(math.log(1.5), rel=1e-5)
+    assert b["ratio_parts/mismatch_m2"] == pytest.approx(math.log(1.5) ** 2, rel=1e-5)
+    assert b["ratio_parts/drift_m2"] < 1e-12
+    for u in mis["per_update"]:  # each update sees half the tokens; together they are the whole batch
+        assert u["ratio_parts/total_m2"] == pytest.approx(
+            u["ratio_parts/drift_m2"] + u["ratio_parts/mismatch_m2"] + 2 * u["ratio_parts/cross"], rel=1e-9)
+    n = [u["ratio_parts/count_tokens"] for u in mis["per_update"]]
+    pooled_m2 = sum(c * u["ratio_parts/mismatch_m2"] for c, u in zip(n, mis["per_update"])) / sum(n)
+    pooled_mean = sum(c * u["ratio_parts/mismatch_mean"] for c, u in zip(n, mis["per_update"])) / sum(n)
+    assert pooled_m2 == pytest.approx(d_m2, rel=1e-5) and pooled_mean == pytest.approx(d_mean, rel=1e-4, abs=1e-7)
