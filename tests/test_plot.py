@@ -49,6 +49,17 @@ def test_panels_without_data_are_skipped(tmp_path):
     assert img.shape[0] == 320  # reward only
 
 
+def test_three_policy_panels_appear_only_when_logged(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    rows = [{"step": s, "reward/mean": s / 10, "rollout_corr/kl_k1": 1e-3, "rollout_corr/kl_k3": 1e-3,
+             "rollout_corr/masked_frac": 0.01, "ratio_parts/drift_m2": s * 1e-4, "ratio_parts/mismatch_m2": 2e-3,
+             "ratio_parts/total_m2": 2e-3 + s * 1e-4} for s in range(5)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    img = _png(plot_runs([run], tmp_path / "p.png"))
+    assert img.shape[0] == 4 * 320  # reward, the KL, the masked fraction and the three second moments
+
+
 def test_keys_and_globs(tmp_path):
     run = _write_run(tmp_path / "r")
     img = _png(plot_runs([run], tmp_path / "k.png", keys=["eval/*/pass@1", "staleness/max"]))

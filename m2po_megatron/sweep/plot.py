@@ -22,6 +22,8 @@ DEFAULT_PANELS: list[tuple[str, list[list[str]]]] = [
     # three-policy runs only (algo.rollout_correction): KL(behaviour || proximal) and what the correction did
     ("rollout correction: KL(behaviour || proximal)", [["rollout_corr/kl_k1", "rollout_corr/kl_k3"]]),
     ("rollout correction: truncated / masked fraction", [["rollout_corr/truncated_frac", "rollout_corr/masked_frac"]]),
+    ("second moments: drift log(theta/p), mismatch log(p/b), total log(theta/b)",
+     [["ratio_parts/drift_m2", "ratio_parts/mismatch_m2", "ratio_parts/total_m2"]]),
 ]
 
 
@@ -30,7 +32,9 @@ DIAGNOSTICS = [("M2 before masking", "m2po/m2_before", False), ("M2 after maskin
                ("masked fraction", "m2po/masked_frac", False), ("clip fraction", "clip_frac", False),
                ("ratio max", "ratio/max", True), ("ratio min", "ratio/min", True),
                ("KL(behaviour || proximal), k3", "rollout_corr/kl_k3", False),
-               ("proximal / behaviour, p99", "rollout_corr/ratio_p99", True)]
+               ("proximal / behaviour, p99", "rollout_corr/ratio_p99", True),
+               ("M2 of the drift log(theta/p)", "ratio_parts/drift_m2", False),
+               ("M2 of the mismatch log(p/b)", "ratio_parts/mismatch_m2", False)]
 
 
 def _number(v) -> Optional[float]:
