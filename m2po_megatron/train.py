@@ -17,6 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from m2po_megatron.config import as_plain, run_dir, save_resolved
+from m2po_megatron.infra import trace
 from m2po_megatron.run.metrics import MetricsLogger, Progress
 
 
@@ -53,6 +54,8 @@ def train(cfg: DictConfig) -> Path:
         return rdir
     lock = claim_run_dir(cfg, rdir, ckpts, resume_from)  # the directory is this process's until it exits
     save_resolved(cfg, rdir)
+    if cfg.logging.trace:  # RUN_DIR/trace/loop.jsonl, merged into RUN_DIR/trace.json at the end
+        trace.open_trace(rdir / "trace" / "loop.jsonl", "loop", cfg.logging.trace_limit)
     logger = MetricsLogger(rdir, config=as_plain(cfg), wandb_mode=cfg.logging.wandb_mode,
                            project=cfg.logging.wandb_project, entity=cfg.logging.wandb_entity,
                            name=cfg.run.name, resume=resume_from is not None, resume_step=start_step)
@@ -65,6 +68,7 @@ def train(cfg: DictConfig) -> Path:
     except SystemExit as e:  # SIGTERM during ray.init reaches Ray's handler (sys.exit(15)): nothing to save yet
         shutdown_ray()
         logger.close()
+        trace.close_trace()
         lock.release()
         stop.restore()
         if e.code != signal.SIGTERM:
@@ -91,7 +95,8 @@ def train(cfg: DictConfig) -> Path:
             weights.push(version)  # new servers hold the base weights
         saved = step  # the step of the latest checkpoint of this run
         if step == 0 and evaluator.enabled and not stop.requested:  # the starting point, before generation competes
-            logger.log(evaluator(0), step=0)
+            with trace.span("eval", "eval", tid="loop", step=0):
+                logger.log(evaluator(0), step=0)
         generator.start()
 
         weights.watch_restarts()
@@ -108,6 +113,8 @@ def train(cfg: DictConfig) -> Path:
             out = train_on(cfg, trainers, sb.batch)
             out.update(logprob_mismatch(sb.samples, out.pop("per_update", None), version, out))
             t_train = time.perf_counter() - t1
+            trace.complete("wait_rollout", "loop", t0, t0 + t_wait, tid="loop")
+            trace.complete("train_step", "loop", t1, t1 + t_train, tid="loop", args={"step": step})
             applied = U if sb.batch is not None else 0  # a step whose samples were all dropped updates nothing
             version += applied
             step += 1
@@ -119,6 +126,8 @@ def train(cfg: DictConfig) -> Path:
             if generator.needs_sync() or (eval_now and weights.synced != version):
                 sync_stats.update(weights.sync_or_recover(version))
             t_sync = time.perf_counter() - t2
+            if sync_stats:
+                trace.complete("weight_sync", "sync", t2, t2 + t_sync, tid="loop", args={"version": version})
 
             with generator.locked():
                 accounting = ledger.end_step(pending=generator.pending())  # generated = consumed + dropped + pending
@@ -132,12 +141,14 @@ def train(cfg: DictConfig) -> Path:
                        "tokens_per_s/train": sb.metrics.get("batch/tokens", 0) / max(t_train, 1e-9),
                        "tokens_per_s/gen": gen.tokens_per_s}
             if eval_now:
-                metrics.update(evaluator(step))
+                with trace.span("eval", "eval", tid="loop", step=step):
+                    metrics.update(evaluator(step))
             logger.log(metrics, step=step)
             progress.update(postfix=f"reward {metrics.get('reward/mean', float('nan')):.3f} "
                                     f"staleness {metrics.get('staleness/mean', 0):.1f}")
             if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
-                save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
+                with trace.span("checkpoint", "checkpoint", tid="loop", step=step):
+                    save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
                 saved = step
 
         progress.close()
@@ -151,7 +162,8 @@ def train(cfg: DictConfig) -> Path:
                      "no checkpoint yet (stopped before the first step)"), flush=True)
         else:
             if step > saved:
-                save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
+                with trace.span("checkpoint", "checkpoint", tid="loop", step=step):
+                    save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
             if evaluator.enabled and not evaluator.due(step):  # not evaluated at this step yet
                 if weights.synced != version:
                     weights.push(version)
@@ -167,6 +179,11 @@ def train(cfg: DictConfig) -> Path:
             engines.shutdown()
         logger.close()
         shutdown_ray()
+        trace.close_trace()
+        try:
+            trace.merge_trace(rdir)
+        except (OSError, ValueError) as e:  # the parts stay; `m2po plot` reads them
+            print(f"[m2po] could not write {rdir / 'trace.json'}: {e}", flush=True)
         lock.release()
         stop.restore()
     return rdir

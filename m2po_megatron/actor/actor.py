@@ -27,7 +27,7 @@ from . import checkpoint
 from .batch import TrainBatch
 from .fused_logprobs import output_layer_log_probs
 from .grad_norm import use_fused_grad_norm
-from .metrics import combine_updates, read_step_values, reduce_minibatch
+from .metrics import StepTimes, combine_updates, read_step_values, reduce_minibatch
 from .packing import (
     MicroBatch,
     model_inputs,
@@ -151,6 +151,7 @@ class MegatronActor:
         self.m2po_tau, self.m2po_rule, self.m2po_scope = float(m2po_tau), m2po_rule, m2po_scope
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.updates_applied = 0
+        self.last_spans: list = []  # (phase, perf_counter start, end) of the last train_step
         self.use_distributed_optimizer = bool(use_distributed_optimizer)
 
         self._init_parallel(tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size, seed)
@@ -379,19 +380,20 @@ class MegatronActor:
             if len(mi) < self.dp_size:
                 raise ValueError(f"a mini-batch of {len(mi)} sequences cannot feed {self.dp_size} data-parallel "
                                  f"ranks: lower num_minibatches ({num_minibatches}) or send a larger batch")
-        times = dict.fromkeys(STEP_TIMES, 0.0)
+        times = StepTimes(STEP_TIMES)
         corr_metrics: dict = {}
         engine = None  # three-policy steps: the engine's behaviour log-probs, for ratio_parts/*
         if self.correction.mode != "bypass":
             t = time.perf_counter()
             engine = batch
             batch, corr_metrics = self._three_policy(batch)
-            times["logprob_pass"] += time.perf_counter() - t
+            times.add("logprob_pass", t)
         per_update = [self._train_minibatch(batch.select(mi), times, None if engine is None else engine.select(mi))
                       for mi in minis]
         out = combine_updates(per_update, self.updates_applied)
         out.update(corr_metrics)
         out.update({f"time/actor/{k}": v for k, v in times.items()})
+        self.last_spans = times.spans  # the run timeline's per-update spans (run/worker.py)
         out["time/actor/train_step"] = time.perf_counter() - t_start
         return out
 
@@ -415,7 +417,7 @@ class MegatronActor:
         if use_global_mask:
             t = time.perf_counter()
             keep_masks, mask_stats = self._global_keep_masks(mb_batch, shard, mbs)  # ends in a host read
-            times["logprob_pass"] += time.perf_counter() - t
+            times.add("logprob_pass", t)
 
         # Per micro-batch everything stays on the device (loss stats with their NaN/inf counts, the entropy
         # sum); it is read once after the schedule, and a non-finite input raises there, before
@@ -459,13 +461,13 @@ class MegatronActor:
             raise
         mb_metrics, entropy_sum = read_step_values(stats, ent_sums)  # raises on NaN/inf inputs
         t_opt = time.perf_counter()
-        times["forward_backward"] += t_opt - t
+        times.add("forward_backward", t, t_opt)
         lr_used = float(self.optimizer.param_groups[0]["lr"])
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
             self.updates_applied += 1
-        times["optimizer"] += time.perf_counter() - t_opt
+        times.add("optimizer", t_opt)
 
         reduced = (reduce_minibatch(mb_metrics, entropy_sum, mask_stats, dp_group=self.dp_group, parts=parts)
                    if self.is_last_stage else None)

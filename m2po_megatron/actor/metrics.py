@@ -2,6 +2,7 @@
 updates of a step combined. The exact combination is algo's (algo.metrics partials, algo.distributed)."""
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
@@ -14,6 +15,20 @@ from m2po_megatron.algo.rollout_correction import read_stats
 # Step metrics summed over a step's updates (the rest are means over updates, except the keys below).
 _SUMMED = ("num_tokens", "num_seqs", "num_microbatches", "m2po_global/num_dropped", "m2po_global/num_trust_region",
            "count/tokens", "count/seqs", "ratio_parts/count_tokens")
+
+
+class StepTimes(dict):
+    """time/actor/* of a train step: seconds per phase summed over its updates, and the spans behind them
+    (name, perf_counter start, end) for the run timeline."""
+
+    def __init__(self, keys):
+        super().__init__(dict.fromkeys(keys, 0.0))
+        self.spans: list[tuple[str, float, float]] = []
+
+    def add(self, key: str, t0: float, t1: Optional[float] = None) -> None:
+        t1 = time.perf_counter() if t1 is None else t1
+        self[key] += t1 - t0
+        self.spans.append((key, t0, t1))
 
 
 def read_step_values(stats: list, ent_sums: list[torch.Tensor]) -> tuple[list[dict], float]:

@@ -1,4 +1,5 @@
-"""`m2po plot RUN_DIR... [--out FILE] [--keys KEY...]`: reward, accuracy and staleness against step."""
+"""`m2po plot RUN_DIR... [--out FILE] [--keys KEY...]`: reward, accuracy and staleness against step, and the
+utilisation summary of each run's timeline (trace.json: busy and idle fractions per component)."""
 from __future__ import annotations
 
 
@@ -30,4 +31,14 @@ def run(args) -> int:
         print(f"m2po plot: {e}", file=sys.stderr)
         return 2
     print(path)
+    from m2po_megatron.sweep.timeline import format_utilisation, utilisation
+
+    for d in args.run_dirs:  # the utilisation summary of each run that has a timeline (trace.json)
+        d = Path(d).parent if Path(d).suffix == ".jsonl" else Path(d)
+        try:
+            print(f"{d}: {format_utilisation(utilisation(d))}")
+        except FileNotFoundError:
+            continue
+        except (ValueError, KeyError, TypeError) as e:
+            print(f"m2po plot: {d}: the run timeline is unreadable ({e!r}); skipped", file=sys.stderr)
     return 0

@@ -212,6 +212,8 @@ class LoggingSection:
     wandb_mode: str = "disabled"  # online | offline | disabled (WANDB_MODE overrides)
     wandb_project: str = "m2po-megatron"
     wandb_entity: Optional[str] = None
+    trace: bool = True  # RUN_DIR/trace.json, the run timeline (Chrome trace events; open it in Perfetto)
+    trace_limit: int = 20000  # spans per category kept in full, then sampled (at most twice this many)
 
 
 @dataclass

@@ -61,7 +61,7 @@ POSITIVE = [
     "train.prompts_per_step", "train.updates_per_step", "train.micro_batch_tokens",
     "train.filter_groups.max_num_gen_batches",
     "staleness.sync_interval", "eval.n_samples", "checkpoint.keep_last", "cluster.trainer_nodes",
-    "cluster.object_store_memory_mb", "cluster.timeout_s",
+    "cluster.object_store_memory_mb", "cluster.timeout_s", "logging.trace_limit",
 ]
 NON_NEGATIVE = [
     "staleness.lag_steps", "staleness.max_staleness", "algo.m2po.tau", "algo.grpo.eps_clip_low",

@@ -7,20 +7,22 @@ policy that decides which groups may be generated and trained. The loop sees one
   StalenessController; the trainer takes finished groups earliest-deadline first.
 Every sample is registered in the SampleLedger when its group is admitted, so in-flight samples count as
 pending and the identity generated = consumed + dropped + pending always holds. The prompts come from
-data.prompts (PromptStream, Tokenize).
+data.prompts (PromptStream, Tokenize); one group's request, answer and score are rollout/groups.py's.
+AsyncGenerator's steps (`pump`, `finish_one`, `take_batch`) are public so that plan/sim.py can drive the same
+admission and batch selection on a simulated clock.
 """
 from __future__ import annotations
 
 import queue
 import threading
 import time
-import zlib
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Optional, Protocol, runtime_checkable
 
 from m2po_megatron.data.prompts import PromptStream, Tokenize
-from m2po_megatron.rollout.samples import Group, Sample, sample_ids_for
+from m2po_megatron.infra import trace
+from m2po_megatron.rollout.groups import (  # noqa: F401  (re-exported: the generators' public names)
+    GenStats, GroupMaker, LockedRewards, _answered, engine_mismatch, group_from_dict, group_to_dict)
+from m2po_megatron.rollout.samples import Group, sample_ids_for
 
 
 @runtime_checkable
@@ -72,107 +74,6 @@ class Generator(Protocol):
         ...
 
 
-@dataclass
-class GenStats:
-    rewards: dict  # reward-pool counters since the previous call (timeouts, errors, verdicts)
-    tokens_per_s: float  # generated tokens per second of wall time since then (all servers together)
-    extra: dict = field(default_factory=dict)  # filter_groups/* since then, the last engine_mismatch/*
-
-
-class LockedRewards:
-    """The run's reward pool, shared with the generation thread (one caller at a time)."""
-
-    def __init__(self, pool, lock):
-        self.pool, self.lock = pool, lock
-
-    def score(self, responses, answers):
-        with self.lock:
-            return self.pool.score(responses, answers)
-
-
-class GroupMaker:
-    """Sends one prompt group to the rollout client and scores it. Shared by both generators. The client
-    is a SyncRolloutClient (its own event loop thread); `submit` returns a concurrent Future."""
-
-    def __init__(self, client, rewards, tokenizer, tokenize: Tokenize, sampling: dict, n: int, seed: int):
-        self.client, self.rewards, self.tok, self.tokenize = client, rewards, tokenizer, tokenize
-        self.sampling, self.n, self.seed = sampling, n, seed
-        self.reward_lock = threading.Lock()  # the reward pool serves one caller at a time
-        self.reward_stats: dict = {}
-        self.gen_tokens = 0
-        self._tp_mark: Optional[tuple[float, int]] = None  # (time, gen_tokens) at the previous stats()
-        self.filter_counts: Counter = Counter()  # train.filter_groups: kept / dropped groups, generation rounds
-        self.mismatch: dict = {}  # engine_mismatch/* of the last recomputed batch (behav_logprob_source=trainer)
-
-    def new_group(self, gid: str, row: dict) -> Group:
-        return Group(group_id=gid, prompt_id=str(row["id"]), prompt_ids=self.tokenize(row["prompt"]),
-                     answer=str(row["answer"]))
-
-    def submit(self, group: Group):
-        # A per-group seed makes sampling reproducible (fixed_lag resume equality) and independent of
-        # which other requests a server happens to batch with.
-        seed = zlib.crc32(f"{self.seed}/{group.group_id}".encode()) & 0x7FFFFFFF
-        return self.client.submit(group.prompt_ids, dict(self.sampling, sampling_seed=seed), n=self.n)
-
-    def fill(self, group: Group, results) -> Group:
-        group.samples = [
-            Sample(sample_id=sid, group_id=group.group_id, prompt_ids=group.prompt_ids,
-                   output_ids=list(o.output_ids), logprobs=list(o.output_logprobs),
-                   versions=[int(v) for v in o.token_versions], finish_reason=o.finish_reason,
-                   answer=group.answer)
-            for sid, o in zip(sample_ids_for(group.group_id, self.n), results)
-        ]
-        self.gen_tokens += sum(len(s.output_ids) for s in group.samples)
-        return group
-
-    def score(self, groups: list[Group]) -> None:
-        samples = [s for g in groups for s in g.samples if s.finish_reason != "abort"]
-        for s in samples:
-            s.text = self.tok.decode(s.output_ids, skip_special_tokens=True)
-        with self.reward_lock:
-            scores, stats = self.rewards.score([s.text for s in samples], [s.answer for s in samples])
-            for k, v in stats.as_dict().items():
-                self.reward_stats[k] = self.reward_stats.get(k, 0) + v
-        for s, r in zip(samples, scores):
-            s.reward = float(r)
-
-    @staticmethod
-    def informative(group: Group) -> bool:
-        """False when the rewards of the group's scored samples are all equal (GRPO's advantages are then
-        all 0); groups with fewer than two scored samples are kept (build_step_batch decides on them)."""
-        r = [s.reward for s in _answered(group.samples) if s.reward is not None]
-        return len(r) < 2 or max(r) != min(r)
-
-    def drop_uninformative(self, group: Group, ledger) -> None:
-        ledger.drop(group.sample_ids, "zero_variance")
-        self.count_filter(dropped_groups=1)
-
-    def count_filter(self, **counts: int) -> None:
-        with self.reward_lock:  # stats() swaps the counters under it, from the loop's thread
-            self.filter_counts.update(counts)
-
-    def stats(self, since: float) -> GenStats:
-        with self.reward_lock:
-            rewards, self.reward_stats = self.reward_stats, {}
-            counts, self.filter_counts = self.filter_counts, Counter()
-            mismatch, self.mismatch = self.mismatch, {}
-        now, tokens = time.perf_counter(), self.gen_tokens
-        last_t, last_tokens = self._tp_mark or (since, 0)
-        self._tp_mark = (now, tokens)
-        seen = counts["kept_groups"] + counts["dropped_groups"]
-        filt = {f"filter_groups/{k}": v for k, v in counts.items()}
-        if seen:
-            filt["filter_groups/dropped_frac"] = counts["dropped_groups"] / seen
-        return GenStats(rewards, (tokens - last_tokens) / max(now - last_t, 1e-9), {**filt, **mismatch})
-
-    def note_mismatch(self, metrics: dict) -> None:
-        with self.reward_lock:
-            self.mismatch = dict(metrics)
-
-    def eval_rewards(self) -> LockedRewards:
-        return LockedRewards(self.rewards, self.reward_lock)
-
-
 class SyncGenerator:
     """on_policy and fixed_lag: each call generates one step's groups with the servers' current weights.
     For fixed_lag the groups pass through the FixedLagQueue; warm-up iterations only generate."""
@@ -218,6 +119,10 @@ class SyncGenerator:
         return kept
 
     def _generate(self, count: int) -> list[Group]:
+        with trace.span("generate_batch", "batch", tid="generator", groups=count):
+            return self._generate_untraced(count)
+
+    def _generate_untraced(self, count: int) -> list[Group]:
         groups = []
         for _ in range(count):
             gid = f"g{self.next_gid}"
@@ -329,19 +234,30 @@ class AsyncGenerator:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                if not self.paused.is_set():
-                    for group in self._admit():
-                        fut = self.maker.submit(group)
-                        fut.add_done_callback(lambda f, g=group: self._done.put((g, f)))
-                try:
-                    group, fut = self._done.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                self._finish(group, fut.result())  # a failed request (retries exhausted) ends the run
+                self.pump()
+                self.finish_one(timeout=0.05)
         except BaseException as e:  # surfaced to the trainer thread by next_groups
             with self.lock:
                 self.error = e
                 self.lock.notify_all()
+
+    def pump(self) -> None:
+        """Admit what the controller allows (nothing while paused) and send it; each answer lands in the
+        done queue. The background thread's step, and what plan/sim.py calls on its simulated clock."""
+        if not self.paused.is_set():
+            for group in self._admit():
+                fut = self.maker.submit(group)
+                fut.add_done_callback(lambda f, g=group: self._done.put((g, f)))
+
+    def finish_one(self, timeout: Optional[float]) -> bool:
+        """Take one answered group off the done queue (waiting up to `timeout` s; 0: do not wait) and file it:
+        buffered, or dropped with a counted reason. False when none came."""
+        try:
+            group, fut = self._done.get(timeout=timeout) if timeout else self._done.get_nowait()
+        except queue.Empty:
+            return False
+        self._finish(group, fut.result())  # a failed request (retries exhausted) ends the run
+        return True
 
     def _admit(self) -> list[Group]:
         with self.lock:
@@ -393,26 +309,35 @@ class AsyncGenerator:
         deadline = time.monotonic() + timeout_s
         with self.lock:
             while True:
-                if self.error is not None:
-                    raise RuntimeError(f"generation failed: {self.error!r}") from self.error
-                for gid in self.ctl.overdue():  # only when a server stalled past the bound
-                    self.ctl.on_dropped(gid)
-                    if gid in self.finished:
-                        self.ledger.drop(self.finished.pop(gid).sample_ids, "too_stale")
-                    else:  # still generating: dropped when it arrives
-                        self.discard.add(gid)
-                ids = self.ctl.select_batch()
-                if ids is None and self._budget_spent():
-                    ids = self.ctl.select_batch(n=len(self.finished))
-                if ids is not None:
-                    self.ctl.on_consumed(ids)
-                    self.finished_since_batch = 0
-                    return [self.finished.pop(g) for g in ids]
+                groups = self.take_batch()
+                if groups is not None:
+                    return groups
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"no batch of {self.groups_per_step} groups within {timeout_s:.0f} s; "
                                        f"are the rollout servers alive?")
                 self.lock.wait(timeout=min(1.0, left))
+
+    def take_batch(self) -> Optional[list[Group]]:
+        """One look, without waiting: the batch the trainer may take now (earliest deadlines first), or None.
+        Overdue groups are dropped on the way; a generation error is raised here."""
+        with self.lock:
+            if self.error is not None:
+                raise RuntimeError(f"generation failed: {self.error!r}") from self.error
+            for gid in self.ctl.overdue():  # only when a server stalled past the bound
+                self.ctl.on_dropped(gid)
+                if gid in self.finished:
+                    self.ledger.drop(self.finished.pop(gid).sample_ids, "too_stale")
+                else:  # still generating: dropped when it arrives
+                    self.discard.add(gid)
+            ids = self.ctl.select_batch()
+            if ids is None and self._budget_spent():
+                ids = self.ctl.select_batch(n=len(self.finished))
+            if ids is None:
+                return None
+            self.ctl.on_consumed(ids)
+            self.finished_since_batch = 0
+            return [self.finished.pop(g) for g in ids]
 
     def _budget_spent(self) -> bool:
         """filter_groups: this step's generation budget is used up and some groups wait (lock held)."""
@@ -473,42 +398,6 @@ class AsyncGenerator:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
-
-
-def _answered(samples) -> list[Sample]:
-    """Samples with output that was not aborted: the ones scored, recomputed and trained on."""
-    return [s for s in samples if s.output_ids and s.finish_reason != "abort"]
-
-
-def engine_mismatch(engine: list[list[float]], trainer: list[list[float]]) -> dict:
-    """engine_mismatch/*: KL(engine || trainer) k1 and k3 and the quantiles of trainer/engine over the tokens
-    of samples whose behaviour log-probs the trainer recomputed at the generating weights (equal weights,
-    so this is the engine's part of the mismatch alone; the staleness part is then rollout_corr/* of a
-    three-policy step). Empty when the engine returned no log-probs to compare."""
-    import torch
-
-    from m2po_megatron.algo import rollout_correction as rc
-
-    if not engine or [len(x) for x in engine] != [len(x) for x in trainer]:
-        return {}
-    e = torch.tensor([x for lp in engine for x in lp], dtype=torch.float32)
-    t = torch.tensor([x for lp in trainer for x in lp], dtype=torch.float32)
-    if not e.numel():
-        return {}
-    c = rc.rollout_correction(t, e, torch.ones_like(t, dtype=torch.bool), rc.CorrectionSpec())
-    return {k.replace("rollout_corr/", "engine_mismatch/"): v for k, v in rc.read_stats([c.stats])[0].items()
-            if k.split("/")[1].startswith(("kl_", "ratio_"))}
-
-
-def group_to_dict(g: Group) -> dict:
-    return {"group_id": g.group_id, "prompt_id": g.prompt_id, "prompt_ids": g.prompt_ids, "answer": g.answer,
-            "samples": [s.__dict__ for s in g.samples]}
-
-
-def group_from_dict(d: dict) -> Group:
-    return Group(group_id=d["group_id"], prompt_id=d["prompt_id"], prompt_ids=list(d["prompt_ids"]),
-                 answer=d["answer"], samples=[Sample(**s) for s in d["samples"]])
-
 
 
 def rollout_sampling(cfg) -> dict:

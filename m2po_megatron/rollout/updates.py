@@ -12,6 +12,8 @@ import time
 
 from omegaconf import DictConfig
 
+from m2po_megatron.infra import trace
+
 
 class WeightUpdater:
     """`trainers` answer call(method, ...); `engines` is the EngineManager (None when attached to
@@ -44,12 +46,18 @@ class WeightUpdater:
     def push(self, version: int) -> dict:
         """Pause admission, push the trainer's weights to every server (the weight sync itself retracts and
         continues in-flight requests, or updates in flight), tell the generator."""
+        t0 = time.perf_counter()
         self.generator.pause()
+        t1 = time.perf_counter()
+        trace.complete("pause", "sync", t0, t1, tid="loop")
         try:
-            stats = self.trainers.call("sync_weights", version, what=f"the weight sync of version {version}")[0]
+            with trace.span("push", "sync", tid="loop", version=version):
+                stats = self.trainers.call("sync_weights", version, what=f"the weight sync of version {version}")[0]
             self.generator.on_sync(version)
         finally:
+            t2 = time.perf_counter()
             self.generator.resume()
+            trace.complete("resume", "sync", t2, time.perf_counter(), tid="loop")
         self.synced = version
         return {f"weight_sync/{k}": v for k, v in stats.items() if isinstance(v, (int, float))}
 

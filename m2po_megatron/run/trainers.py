@@ -33,7 +33,9 @@ def start_trainers(cfg: DictConfig, world: int, rdir: Path, ckpts) -> "Ranks":
                        f"{cfg.cluster.timeout_s:.0f} s; do enough Ray nodes offer the 'trainer' resource"
                        f"{' and GPUs' if gpus else ''}?") from None
     trainers = Ranks(group, ckpts, cfg.cluster.timeout_s)
-    nodes = trainers.call("setup", actor_kwargs(cfg), what="building the Megatron ranks")
+    trace_dir = str(rdir / "trace") if cfg.logging.trace else None
+    nodes = trainers.call("setup", actor_kwargs(cfg), None, trace_dir, cfg.logging.trace_limit,
+                          what="building the Megatron ranks")
     record_placement(rdir, "trainer", [{"rank": n["rank"], "node": n["hostname"], "ip": n["ip"], "pid": n["pid"]}
                                        for n in nodes])
     return trainers

@@ -9,6 +9,7 @@ import itertools
 import os
 from typing import Optional
 
+from m2po_megatron.infra import trace
 from m2po_megatron.infra.cluster import RankActorBase
 from m2po_megatron.infra.device import device
 
@@ -19,26 +20,40 @@ class TrainerWorker(RankActorBase):
         self.sync = None
         self.export_kwargs: dict = {}
 
-    def setup(self, actor_kwargs: dict, log_path: Optional[str] = None) -> dict:
+    def setup(self, actor_kwargs: dict, log_path: Optional[str] = None, trace_dir: Optional[str] = None,
+              trace_limit: int = trace.DEFAULT_LIMIT) -> dict:
+        """trace_dir: this rank's spans go to trace_dir/rank<RANK>.jsonl (the run timeline; None: none)."""
         import torch
 
         torch.set_num_threads(max(1, int(os.environ.get("M2PO_TRAINER_THREADS", "1"))))
         from m2po_megatron.actor.actor import MegatronActor
 
+        rank = int(os.environ.get("RANK", "0"))
+        if trace_dir is not None:
+            trace.open_trace(os.path.join(trace_dir, f"rank{rank}.jsonl"), f"trainer rank {rank}", trace_limit)
         self.actor = MegatronActor(**actor_kwargs)
         self.hf_config = actor_kwargs.get("hf_path") or actor_kwargs.get("hf_config")
         return self.node()
 
     # -- training --------------------------------------------------------------------------------
     def compute_log_probs(self, batch):
-        out = self.actor.compute_log_probs(batch, with_entropy=False)
+        with trace.span("logprob_pass", "train", seqs=len(batch)):
+            out = self.actor.compute_log_probs(batch, with_entropy=False)
+        trace.flush()
         return out[0] if isinstance(out, tuple) else out
 
     def train_step(self, batch, num_minibatches: int) -> dict:
-        return self.actor.train_step(batch, num_minibatches=num_minibatches)
+        with trace.span("train_step", "train", seqs=len(batch), updates=num_minibatches):
+            out = self.actor.train_step(batch, num_minibatches=num_minibatches)
+        for name, t0, t1 in self.actor.last_spans:  # the step's phases, update by update
+            trace.complete(name, "train", t0, t1, tid="phases")
+        trace.flush()  # the driver ends ranks with ray.kill: nothing waits in a buffer
+        return out
 
     def save(self, path: str) -> None:
-        self.actor.save(path)
+        with trace.span("checkpoint", "checkpoint"):
+            self.actor.save(path)
+        trace.flush()
 
     def load(self, path: str) -> None:
         self.actor.load(path)
@@ -72,6 +87,13 @@ class TrainerWorker(RankActorBase):
         return True
 
     def sync_weights(self, version: int) -> dict:
+        try:
+            with trace.span("sync_weights", "sync", version=version):
+                return self._sync_weights(version)
+        finally:
+            trace.flush()
+
+    def _sync_weights(self, version: int) -> dict:
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
 
@@ -101,6 +123,7 @@ class TrainerWorker(RankActorBase):
             self.sync.close()
         if self.actor is not None:
             self.actor.close()
+        trace.close_trace()
 
 
 def _send_buckets(buckets, dst: int) -> None:

@@ -107,7 +107,8 @@ ALLOWED = {
     "demo": {"eval", "reward"},
     "config": {"actor", "algo", "data", "models", "rollout"},
     "run": {"actor", "config", "convert", "data", "eval", "infra", "rollout"},
-    "sweep": {"config", "models", "run"},
+    "sweep": {"config", "infra", "models", "run"},
+    "plan": {"config", "infra", "models", "rollout", "run", "staleness"},
 }
 ENTRY_POINTS = {"(root)", "commands"}
 

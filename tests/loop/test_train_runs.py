@@ -77,6 +77,35 @@ def test_bounded_dp2_with_eval_and_checkpoint(tiny_task, tmp_path, small_eval):
     placement = json.loads((run / "placement.json").read_text())
     assert sorted(n["rank"] for n in placement["trainer"]) == [0, 1]
     assert (run / "config.yaml").exists() and list((run / "checkpoints").glob("step_0000003/COMPLETE"))
+    assert_timeline(run, steps=3, updates=2, ranks=2, groups=3 * 8)
+
+
+def assert_timeline(run: Path, steps: int, updates: int, ranks: int, groups: int) -> None:
+    """RUN_DIR/trace.json: the loop's, every rank's and every request's spans, nested as they ran; `groups`
+    requests at least (the consumed groups')."""
+    doc = json.loads((run / "trace.json").read_text())
+    procs = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(procs.values()) == ["loop"] + [f"trainer rank {r}" for r in range(ranks)]
+    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    by = lambda proc, name, tid=None: [e for e in xs if procs[e["pid"]] == proc and e["name"] == name  # noqa: E731
+                                       and (tid is None or e["tid"] == tid)]
+    assert len(by("loop", "wait_rollout")) == steps and len(by("loop", "train_step")) == steps
+    assert len(by("loop", "eval")) == 2
+    assert by("loop", "checkpoint") and by("trainer rank 0", "checkpoint") and by("trainer rank 1", "checkpoint")
+    for name in ("weight_sync", "pause", "push", "resume"):
+        assert by("loop", name), name
+    for r in range(ranks):
+        assert len(by(f"trainer rank {r}", "train_step", "main")) == steps
+        assert len(by(f"trainer rank {r}", "forward_backward", "phases")) == steps * updates
+        assert len(by(f"trainer rank {r}", "optimizer", "phases")) == steps * updates
+    assert by("trainer rank 0", "sync_weights")
+    for outer, inner in zip(by("loop", "train_step"), by("trainer rank 0", "train_step")):  # the rank inside the loop
+        assert outer["ts"] - 1e3 <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + 1e3
+    reqs = [e for e in xs if e["cat"] == "request"]
+    assert len(reqs) >= groups and all(e["tid"].startswith("http://") and e["args"]["n"] == 4 for e in reqs)
+    p = m2po("plot", str(run), "--out", str(run / "p.png"), timeout=120)
+    ok(p)
+    assert "run timeline:" in p.stdout and "trainer rank 1: busy" in p.stdout and "server http://" in p.stdout
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 60)

@@ -1,0 +1,53 @@
+"""Datasheet figures of the GPUs `m2po plan` knows, and the efficiencies it assumes of them.
+
+Sources (dense BF16 Tensor Core peak without sparsity; HBM bandwidth; NVLink per GPU; one InfiniBand NIC per
+GPU, as in DGX/HGX nodes):
+- H100 SXM5 80 GB: NVIDIA H100 Tensor Core GPU datasheet: 989 TFLOPS, 3.35 TB/s, NVLink 900 GB/s; DGX H100:
+  8 x ConnectX-7 400 Gb/s (50 GB/s per GPU).
+- H200 SXM 141 GB: NVIDIA H200 Tensor Core GPU datasheet: 989 TFLOPS, 4.8 TB/s, NVLink 900 GB/s; HGX H200 with
+  ConnectX-7 400 Gb/s per GPU.
+- A100 SXM4 80 GB: NVIDIA A100 Tensor Core GPU datasheet: 312 TFLOPS, 2.039 TB/s, NVLink 600 GB/s; DGX A100:
+  8 x ConnectX-6 200 Gb/s (25 GB/s per GPU).
+
+The efficiencies are assumptions, not measurements, until `m2po plan --calibrate` replaces them with figures
+fitted on a run: MFU 0.35 for the trainer (Megatron-LM reports 40-47 % for dense GPT training at scale; RL
+batches of ragged sequences run below that), 70 % of HBM bandwidth for decode and the optimizer, half the peak
+for prefill and for decode's compute, half the link for the weight broadcast (it also gathers tensor-parallel
+shards and converts names), fixed costs of 2 ms per decode step (scheduling, sampling), 1 s per train step
+(the Ray call, packing) and 2 s per weight sync (pause, group set-up, resume), and at most 1024 sequences
+running on one server.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["EFFICIENCY", "GPUS", "Gpu"]
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    bf16_tflops: float
+    hbm_tb_s: float
+    memory_gb: float
+    nvlink_gb_s: float
+    ib_gb_s_per_node: float  # one NIC per GPU: what one sender (trainer rank 0) gets across nodes
+
+
+GPUS = {
+    "h100": Gpu("H100 SXM5 80GB", 989.0, 3.35, 80.0, 900.0, 50.0),
+    "h200": Gpu("H200 SXM 141GB", 989.0, 4.8, 141.0, 900.0, 50.0),
+    "a100": Gpu("A100 SXM4 80GB", 312.0, 2.039, 80.0, 600.0, 25.0),
+}
+
+EFFICIENCY = {
+    "mfu": 0.35,
+    "hbm": 0.7,
+    "decode_compute": 0.5,
+    "prefill": 0.5,
+    "link": 0.5,
+    "decode_fixed_s": 0.002,
+    "train_fixed_s": 1.0,
+    "sync_fixed_s": 2.0,
+    "max_running_cap": 1024,
+}

@@ -1,0 +1,165 @@
+"""Making prompt groups: one group's request to the rollout client, its samples filled from the answers,
+scored by the reward pool, and judged informative or not (train.filter_groups). Shared by every generator
+(rollout/generators.py), and the counters they report per step."""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+from m2po_megatron.data.prompts import Tokenize
+from m2po_megatron.infra import trace
+from m2po_megatron.rollout.samples import Group, Sample, sample_ids_for
+
+
+@dataclass
+class GenStats:
+    rewards: dict  # reward-pool counters since the previous call (timeouts, errors, verdicts)
+    tokens_per_s: float  # generated tokens per second of wall time since then (all servers together)
+    extra: dict = field(default_factory=dict)  # filter_groups/* since then, the last engine_mismatch/*
+
+
+class LockedRewards:
+    """The run's reward pool, shared with the generation thread (one caller at a time)."""
+
+    def __init__(self, pool, lock):
+        self.pool, self.lock = pool, lock
+
+    def score(self, responses, answers):
+        with self.lock:
+            return self.pool.score(responses, answers)
+
+
+class GroupMaker:
+    """Sends one prompt group to the rollout client and scores it. Shared by both generators. The client
+    is a SyncRolloutClient (its own event loop thread); `submit` returns a concurrent Future."""
+
+    def __init__(self, client, rewards, tokenizer, tokenize: Tokenize, sampling: dict, n: int, seed: int):
+        self.client, self.rewards, self.tok, self.tokenize = client, rewards, tokenizer, tokenize
+        self.sampling, self.n, self.seed = sampling, n, seed
+        self.reward_lock = threading.Lock()  # the reward pool serves one caller at a time
+        self.reward_stats: dict = {}
+        self.gen_tokens = 0
+        self._tp_mark: Optional[tuple[float, int]] = None  # (time, gen_tokens) at the previous stats()
+        self.filter_counts: Counter = Counter()  # train.filter_groups: kept / dropped groups, generation rounds
+        self.mismatch: dict = {}  # engine_mismatch/* of the last recomputed batch (behav_logprob_source=trainer)
+
+    def new_group(self, gid: str, row: dict) -> Group:
+        return Group(group_id=gid, prompt_id=str(row["id"]), prompt_ids=self.tokenize(row["prompt"]),
+                     answer=str(row["answer"]))
+
+    def submit(self, group: Group):
+        # A per-group seed makes sampling reproducible (fixed_lag resume equality) and independent of
+        # which other requests a server happens to batch with.
+        seed = zlib.crc32(f"{self.seed}/{group.group_id}".encode()) & 0x7FFFFFFF
+        fut = self.client.submit(group.prompt_ids, dict(self.sampling, sampling_seed=seed), n=self.n)
+        fut.add_done_callback(functools.partial(_trace_request, group.group_id, time.perf_counter()))
+        return fut
+
+    def fill(self, group: Group, results) -> Group:
+        group.samples = [
+            Sample(sample_id=sid, group_id=group.group_id, prompt_ids=group.prompt_ids,
+                   output_ids=list(o.output_ids), logprobs=list(o.output_logprobs),
+                   versions=[int(v) for v in o.token_versions], finish_reason=o.finish_reason,
+                   answer=group.answer)
+            for sid, o in zip(sample_ids_for(group.group_id, self.n), results)
+        ]
+        self.gen_tokens += sum(len(s.output_ids) for s in group.samples)
+        return group
+
+    def score(self, groups: list[Group]) -> None:
+        samples = [s for g in groups for s in g.samples if s.finish_reason != "abort"]
+        for s in samples:
+            s.text = self.tok.decode(s.output_ids, skip_special_tokens=True)
+        with self.reward_lock:
+            scores, stats = self.rewards.score([s.text for s in samples], [s.answer for s in samples])
+            for k, v in stats.as_dict().items():
+                self.reward_stats[k] = self.reward_stats.get(k, 0) + v
+        for s, r in zip(samples, scores):
+            s.reward = float(r)
+
+    @staticmethod
+    def informative(group: Group) -> bool:
+        """False when the rewards of the group's scored samples are all equal (GRPO's advantages are then
+        all 0); groups with fewer than two scored samples are kept (build_step_batch decides on them)."""
+        r = [s.reward for s in _answered(group.samples) if s.reward is not None]
+        return len(r) < 2 or max(r) != min(r)
+
+    def drop_uninformative(self, group: Group, ledger) -> None:
+        ledger.drop(group.sample_ids, "zero_variance")
+        self.count_filter(dropped_groups=1)
+
+    def count_filter(self, **counts: int) -> None:
+        with self.reward_lock:  # stats() swaps the counters under it, from the loop's thread
+            self.filter_counts.update(counts)
+
+    def stats(self, since: float) -> GenStats:
+        with self.reward_lock:
+            rewards, self.reward_stats = self.reward_stats, {}
+            counts, self.filter_counts = self.filter_counts, Counter()
+            mismatch, self.mismatch = self.mismatch, {}
+        now, tokens = time.perf_counter(), self.gen_tokens
+        last_t, last_tokens = self._tp_mark or (since, 0)
+        self._tp_mark = (now, tokens)
+        seen = counts["kept_groups"] + counts["dropped_groups"]
+        filt = {f"filter_groups/{k}": v for k, v in counts.items()}
+        if seen:
+            filt["filter_groups/dropped_frac"] = counts["dropped_groups"] / seen
+        return GenStats(rewards, (tokens - last_tokens) / max(now - last_t, 1e-9), {**filt, **mismatch})
+
+    def note_mismatch(self, metrics: dict) -> None:
+        with self.reward_lock:
+            self.mismatch = dict(metrics)
+
+    def eval_rewards(self) -> LockedRewards:
+        return LockedRewards(self.rewards, self.reward_lock)
+
+
+def _trace_request(gid: str, t0: float, fut) -> None:
+    """The run timeline's span of one group's request, on its server's row (a failed one on "failed")."""
+    t1 = time.perf_counter()
+    if fut.cancelled() or fut.exception() is not None:
+        trace.complete("generate", "request", t0, t1, tid="failed", args={"group": gid})
+        return
+    res = fut.result()
+    trace.complete("generate", "request", t0, t1, tid=(res[0].server or "server") if res else "server",
+                   args={"group": gid, "n": len(res), "tokens": sum(len(r.output_ids) for r in res)})
+
+
+def _answered(samples) -> list[Sample]:
+    """Samples with output that was not aborted: the ones scored, recomputed and trained on."""
+    return [s for s in samples if s.output_ids and s.finish_reason != "abort"]
+
+
+def engine_mismatch(engine: list[list[float]], trainer: list[list[float]]) -> dict:
+    """engine_mismatch/*: KL(engine || trainer) k1 and k3 and the quantiles of trainer/engine over the tokens
+    of samples whose behaviour log-probs the trainer recomputed at the generating weights (equal weights,
+    so this is the engine's part of the mismatch alone; the staleness part is then rollout_corr/* of a
+    three-policy step). Empty when the engine returned no log-probs to compare."""
+    import torch
+
+    from m2po_megatron.algo import rollout_correction as rc
+
+    if not engine or [len(x) for x in engine] != [len(x) for x in trainer]:
+        return {}
+    e = torch.tensor([x for lp in engine for x in lp], dtype=torch.float32)
+    t = torch.tensor([x for lp in trainer for x in lp], dtype=torch.float32)
+    if not e.numel():
+        return {}
+    c = rc.rollout_correction(t, e, torch.ones_like(t, dtype=torch.bool), rc.CorrectionSpec())
+    return {k.replace("rollout_corr/", "engine_mismatch/"): v for k, v in rc.read_stats([c.stats])[0].items()
+            if k.split("/")[1].startswith(("kl_", "ratio_"))}
+
+
+def group_to_dict(g: Group) -> dict:
+    return {"group_id": g.group_id, "prompt_id": g.prompt_id, "prompt_ids": g.prompt_ids, "answer": g.answer,
+            "samples": [s.__dict__ for s in g.samples]}
+
+
+def group_from_dict(d: dict) -> Group:
+    return Group(group_id=d["group_id"], prompt_id=d["prompt_id"], prompt_ids=list(d["prompt_ids"]),
+                 answer=d["answer"], samples=[Sample(**s) for s in d["samples"]])
