@@ -110,6 +110,7 @@ def build_step_batch(groups: Sequence[Group], version: int, ledger, *, max_stale
         "reward/max": float(rewards.max()),
         "response_length/mean": sum(lengths) / len(lengths),
         "response_length/max": max(lengths),
+        "response_length/std": (sum((x - sum(lengths) / len(lengths)) ** 2 for x in lengths) / len(lengths)) ** 0.5,
         "response/truncated_frac": sum(s.finish_reason == "length" for s in keep) / len(keep),
         "advantage/abs_mean": float(adv.abs().mean()),
         "batch/sequences": len(keep),
