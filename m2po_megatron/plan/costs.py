@@ -12,21 +12,19 @@
   efficiency (a sum, so a large batch turns compute-bound smoothly). Prefill is compute-bound:
   `prompt tokens x prefill_per_token_s` (2 x N FLOPs per token). `max_running` sequences fit one server
   (its KV budget: (memory x mem_fraction_static - weights) / KV bytes per token / mean context).
-- **Weight sync**: `sync_fixed_s + bytes x sync_per_byte_s`, bytes = N x 2 (bf16) over the slower of
-  NVLink (same node) and the node's InfiniBand.
+- **Weight sync**: `sync_fixed_s + bytes x sync_per_byte_s`, bytes = N x 2 (bf16) over NVLink when the
+  servers share the trainer's node, else one InfiniBand NIC (the sender is trainer rank 0).
 
-A `Costs` is built from hardware figures (`from_hardware`) or fitted on a run (plan/calibrate.py); both are
-plain numbers, saved as JSON (`--calibration FILE`)."""
+A `Costs` is built from hardware figures (`from_hardware`); fitting one on a run's timeline is not built yet
+(issue 23)."""
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Optional
 
 from m2po_megatron.plan.hardware import GPUS, EFFICIENCY, Gpu
 
-__all__ = ["Costs", "Layout", "from_hardware", "load_costs", "save_costs"]
+__all__ = ["Costs", "Layout", "from_hardware"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +41,7 @@ class Costs:
     sync_fixed_s: float
     sync_per_byte_s: float
     weight_bytes: float
-    source: str = ""  # where the figures came from (datasheet GPU, or the calibration run)
+    source: str = ""  # where the figures came from
 
     def train_s(self, tokens: float, updates: int, logprob_pass: bool) -> float:
         per_token = self.train_per_token_s + (self.logprob_per_token_s if logprob_pass else 0.0)
@@ -128,22 +126,3 @@ def from_hardware(shape, params: int, layout: Layout, gpu: Gpu | str, *, micro_b
         weight_bytes=weights,
         source=f"{g.name} datasheet, efficiencies {eff}",
     )
-
-
-def save_costs(costs: Costs, path: str | Path) -> Path:
-    p = Path(path)
-    p.write_text(json.dumps(asdict(costs), indent=2) + "\n")
-    return p
-
-
-def load_costs(path: str | Path, weight_bytes: Optional[float] = None) -> Costs:
-    """A saved Costs (a calibration); ValueError naming a missing or unknown field."""
-    data = json.loads(Path(path).read_text())
-    names = {f.name for f in fields(Costs)}
-    missing = sorted(names - set(data) - {"source"})
-    unknown = sorted(set(data) - names)
-    if missing or unknown:
-        raise ValueError(f"{path}: not a calibration file (missing {missing}, unknown {unknown}); "
-                         f"write one with `m2po plan --calibrate RUN_DIR --out FILE`")
-    c = Costs(**data)
-    return replace(c, weight_bytes=weight_bytes) if weight_bytes is not None else c

@@ -9,13 +9,12 @@ GPU, as in DGX/HGX nodes):
 - A100 SXM4 80 GB: NVIDIA A100 Tensor Core GPU datasheet: 312 TFLOPS, 2.039 TB/s, NVLink 600 GB/s; DGX A100:
   8 x ConnectX-6 200 Gb/s (25 GB/s per GPU).
 
-The efficiencies are assumptions, not measurements, until `m2po plan --calibrate` replaces them with figures
-fitted on a run: MFU 0.35 for the trainer (Megatron-LM reports 40-47 % for dense GPT training at scale; RL
-batches of ragged sequences run below that), 70 % of HBM bandwidth for decode and the optimizer, half the peak
-for prefill and for decode's compute, half the link for the weight broadcast (it also gathers tensor-parallel
-shards and converts names), fixed costs of 2 ms per decode step (scheduling, sampling), 1 s per train step
-(the Ray call, packing) and 2 s per weight sync (pause, group set-up, resume), and at most 1024 sequences
-running on one server.
+The efficiencies are assumptions, not measurements (fitting them on a run is issue 23's next step): MFU 0.35 for
+the trainer (Megatron-LM reports 40-47 % for dense GPT training at scale; RL batches of ragged sequences run
+below that), 70 % of HBM bandwidth for decode and the optimizer, half the peak for prefill and for decode's
+compute, half the link for the weight broadcast (it also gathers tensor-parallel shards and converts names),
+fixed costs of 2 ms per decode step (scheduling, sampling), 1 s per train step (the Ray call, packing) and 2 s
+per weight sync (pause, group set-up, resume), and at most 1024 sequences running on one server.
 """
 from __future__ import annotations
 

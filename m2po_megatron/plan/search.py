@@ -39,7 +39,7 @@ class Candidate:
 def spec_from_config(cfg: DictConfig, *, num_servers: int, response: Optional[LengthDist] = None,
                      prompt_len: Optional[int] = None, accuracy: float = 0.5, sync_interval=None) -> SimSpec:
     """The SimSpec of a recipe. Response lengths default to a gamma of mean max_new_tokens / 3 and cv 0.6, and
-    prompts to half of data.max_prompt_len: assumptions, replaced by a run's figures with --lengths-from."""
+    prompts to half of data.max_prompt_len: assumptions, unless `response` and `prompt_len` are given."""
     r, s, t = cfg.rollout, cfg.staleness, cfg.train
     resp = response or LengthDist(r.max_new_tokens / 3, 0.6, r.max_new_tokens)
     lp = (s.behav_logprob_source == "trainer" and s.mode == "bounded") or cfg.algo.rollout_correction.mode != "bypass" \
@@ -118,7 +118,7 @@ def _sync_intervals(cfg: DictConfig) -> list[Optional[int]]:
 
 def plan(cfg: DictConfig, gpus: int, gpus_per_node: int = 8, gpu: str = "h100", *, steps: Optional[int] = None,
          top: int = 8, response: Optional[LengthDist] = None, prompt_len: Optional[int] = None,
-         efficiency: Optional[dict] = None, calibrated: Optional[Costs] = None, seed: int = 0) -> dict:
+         efficiency: Optional[dict] = None, seed: int = 0) -> dict:
     """{"ranked": [Candidate] best first (simulated), "layouts": n, "over_memory": n, "skipped": {error: n},
     "unchecked": n}. Every layout's memory is estimated; those that fit are ordered by a steady-state bound
     (the slower of generation and training per step, or their sum in the synchronous modes); in that order
@@ -159,9 +159,8 @@ def plan(cfg: DictConfig, gpus: int, gpus_per_node: int = 8, gpu: str = "h100", 
         ctx = c.spec.prompt_len + c.spec.response.mean
         tokens_update = c.spec.groups_per_step * c.spec.n * ctx / c.spec.updates_per_step
         mbs = max(1, math.ceil(tokens_update / lay.dp / cfg.train.micro_batch_tokens))
-        c.costs = calibrated or from_hardware(shape, params, lay, gpu, micro_batches=mbs, mean_context=ctx,
-                                              mem_fraction_static=cfg.rollout.mem_fraction_static,
-                                              efficiency=efficiency)
+        c.costs = from_hardware(shape, params, lay, gpu, micro_batches=mbs, mean_context=ctx,
+                                mem_fraction_static=cfg.rollout.mem_fraction_static, efficiency=efficiency)
         c.predicted = {"bound_step_s": _bound(c.spec, c.costs)}
         found.append(c)
     found.sort(key=lambda c: c.predicted["bound_step_s"])

@@ -138,15 +138,6 @@ class _Future:
         else:
             self._callbacks.append(cb)
 
-    def done(self) -> bool:
-        return self._done
-
-    def cancelled(self) -> bool:
-        return False
-
-    def exception(self, timeout=None):
-        return None
-
     def result(self, timeout=None):
         while not self._done:
             if not self.clock.run_next():
