@@ -27,8 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-__all__ = ["TraceWriter", "close_trace", "complete", "flush", "merge_trace", "open_trace", "read_trace", "span",
-           "DEFAULT_LIMIT"]
+__all__ = ["TraceWriter", "close_trace", "complete", "flush", "merge_trace", "open_from_env", "open_trace", "read_trace",
+           "span", "trace_env", "DEFAULT_LIMIT"]
 
 DEFAULT_LIMIT = 20_000  # spans per category kept in full before sampling starts
 _FLUSH_EVERY = 256
@@ -117,6 +117,24 @@ def open_trace(path: str | Path, process: str, limit: int = DEFAULT_LIMIT) -> Tr
     close_trace()
     _writer = TraceWriter(path, process, limit)
     return _writer
+
+
+# A process the run starts as a subprocess with flags of another program's (the CPU rollout server speaks
+# SGLang's) learns where its part goes from the environment.
+DIR_ENV, LIMIT_ENV = "M2PO_TRACE_DIR", "M2PO_TRACE_LIMIT"
+
+
+def trace_env(run_dir: str | Path, limit: int = DEFAULT_LIMIT) -> dict[str, str]:
+    """The environment that makes `open_from_env` write into RUN_DIR's timeline."""
+    return {DIR_ENV: str(Path(run_dir) / "trace"), LIMIT_ENV: str(limit)}
+
+
+def open_from_env(part: str, process: str) -> Optional[TraceWriter]:
+    """Open this process's writer at $M2PO_TRACE_DIR/<part>.jsonl when the variable is set; else None."""
+    d = os.environ.get(DIR_ENV)
+    if not d:
+        return None
+    return open_trace(Path(d) / f"{part}.jsonl", process, int(os.environ.get(LIMIT_ENV) or DEFAULT_LIMIT))
 
 
 def close_trace() -> None:

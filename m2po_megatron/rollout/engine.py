@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from m2po_megatron.infra import trace
 from m2po_megatron.rollout import sampling
 from m2po_megatron.rollout.protocol import DEFAULT_SAMPLING_SEED, TOP_K_ALL
 
@@ -228,14 +229,21 @@ class Engine:
 
     @torch.no_grad()
     def _step(self) -> None:
+        # Each decode step and prefill is a span of the run timeline (row "engine"): batch size and KV tokens
+        # are what `m2po plan --calibrate` fits the server's cost model on.
         self.steps += 1
-        old = list(self.running)
-        if old:
+        if self.running:
+            b, kv = len(self.running), sum(len(s.prompt) + len(s.out) for s in self.running)
+            t0 = time.perf_counter()
             self._decode()
+            trace.complete("decode", "engine", t0, time.perf_counter(), tid="engine", args={"b": b, "kv": kv})
         room = self.max_running - len(self.running)
         if room > 0 and self.waiting:
             new = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+            t0 = time.perf_counter()
             self._prefill(new)
+            trace.complete("prefill", "engine", t0, time.perf_counter(), tid="engine",
+                           args={"seqs": len(new), "tokens": sum(len(s.prompt) + len(s.out) for s in new)})
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         # Fresh samples of one request share one prefill row; retracted ones carry their own output.

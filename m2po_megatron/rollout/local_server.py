@@ -445,6 +445,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(int(os.environ.get("M2PO_CPU_SERVER_THREADS", "1")))
     from aiohttp import web
 
+    from m2po_megatron.infra import trace
     from m2po_megatron.rollout.engine import Engine, load_model
 
     if args.random_seed is not None:
@@ -469,6 +470,7 @@ def main(argv=None) -> int:
             await web.SockSite(runner, sock).start()
         else:
             await web.TCPSite(runner, args.host, args.port).start()
+        trace.open_from_env(f"server_{args.port}", f"rollout server :{args.port}")  # the run's timeline
         log.info("serving %s on http://%s:%d (auth %s)", args.model_path, args.host, args.port,
                  "on" if args.api_key else "off")
         print(f"The server is fired up and ready to roll! http://{args.host}:{args.port}", flush=True)
@@ -486,6 +488,7 @@ def main(argv=None) -> int:
     finally:
         loop.run_until_complete(runner.cleanup())
         engine.shutdown()
+        trace.close_trace()
     return 0
 
 

@@ -66,7 +66,7 @@ def start_rollout_engines(cfg: DictConfig, rdir: Path):
     pinned = [nodes[i % len(nodes)] for i in range(r.num_servers)]
     mgr = EngineManager(specs, run_dir=str(rdir), use_ray=True, max_restarts=r.max_restarts,
                         health_timeout_s=r.health_timeout_s, node_ids=pinned,
-                        num_cpus_per_server=0, env={"OMP_NUM_THREADS": "1"})
+                        num_cpus_per_server=0, env=server_env(cfg, rdir))
     urls = mgr.start()
     by_id = {n["NodeID"]: n for n in ray.nodes()}
     placed = [{"server": i, "node": by_id[nid]["NodeManagerHostname"], "ip": by_id[nid]["NodeManagerAddress"],
@@ -74,6 +74,16 @@ def start_rollout_engines(cfg: DictConfig, rdir: Path):
               for i, (nid, url, info) in enumerate(zip(pinned, urls, mgr.info()))]
     record_placement(rdir, "rollout", placed)
     return mgr, urls
+
+
+def server_env(cfg: DictConfig, rdir: Path) -> dict:
+    """The servers' environment: one OpenMP thread, and the run's timeline for the CPU engine's spans."""
+    from m2po_megatron.infra.trace import trace_env
+
+    env = {"OMP_NUM_THREADS": "1"}
+    if cfg.logging.trace:
+        env.update(trace_env(rdir, cfg.logging.trace_limit))
+    return env
 
 
 def make_client(cfg: DictConfig, urls: list[str]):

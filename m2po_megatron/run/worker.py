@@ -37,13 +37,13 @@ class TrainerWorker(RankActorBase):
 
     # -- training --------------------------------------------------------------------------------
     def compute_log_probs(self, batch):
-        with trace.span("logprob_pass", "train", seqs=len(batch)):
+        with trace.span("logprob_pass", "train", seqs=len(batch), tokens=sum(batch.lengths)):
             out = self.actor.compute_log_probs(batch, with_entropy=False)
         trace.flush()
         return out[0] if isinstance(out, tuple) else out
 
     def train_step(self, batch, num_minibatches: int) -> dict:
-        with trace.span("train_step", "train", seqs=len(batch), updates=num_minibatches):
+        with trace.span("train_step", "train", seqs=len(batch), tokens=sum(batch.lengths), updates=num_minibatches):
             out = self.actor.train_step(batch, num_minibatches=num_minibatches)
         for name, t0, t1 in self.actor.last_spans:  # the step's phases, update by update
             trace.complete(name, "train", t0, t1, tid="phases")

@@ -3,7 +3,7 @@ and each rollout server the fraction of the run it was busy, and where the loop'
 
 Busy is the union of a row's spans, so overlapping requests on one server count once: a server is busy while
 at least one request is in flight on it (the client's view; it does not see how full the server's batch
-is). The window is the first span's start to the last span's end over the whole run."""
+is). The CPU server also traces its engine (`rollout server :PORT engine`): busy there is computing. The window is the first span's start to the last span's end over the whole run."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -53,6 +53,8 @@ def utilisation(run_dir: str | Path) -> dict:
         proc = names.get(e["pid"], str(e["pid"]))
         if e.get("cat") == "request":
             rows[f"server {e['tid']}"].append(iv)
+        elif e.get("cat") == "engine":  # the CPU server's own decode steps and prefills
+            rows[f"{proc} engine"].append(iv)
         elif proc.startswith("trainer") and e.get("tid") == "main" and e["name"] in RANK_SPANS:
             rows[proc].append(iv)
         elif proc == "loop" and e.get("tid") == "loop" and e["name"] in LOOP_PHASES:

@@ -85,7 +85,9 @@ def assert_timeline(run: Path, steps: int, updates: int, ranks: int, groups: int
     requests at least (the consumed groups')."""
     doc = json.loads((run / "trace.json").read_text())
     procs = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
-    assert sorted(procs.values()) == ["loop"] + [f"trainer rank {r}" for r in range(ranks)]
+    servers = [v for v in procs.values() if v.startswith("rollout server :")]
+    assert len(servers) == 1, procs  # the CPU engine's own part (M2PO_TRACE_DIR from the run)
+    assert sorted(v for v in procs.values() if v not in servers) == ["loop"] + [f"trainer rank {r}" for r in range(ranks)]
     xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     by = lambda proc, name, tid=None: [e for e in xs if procs[e["pid"]] == proc and e["name"] == name  # noqa: E731
                                        and (tid is None or e["tid"] == tid)]
@@ -103,9 +105,26 @@ def assert_timeline(run: Path, steps: int, updates: int, ranks: int, groups: int
         assert outer["ts"] - 1e3 <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + 1e3
     reqs = [e for e in xs if e["cat"] == "request"]
     assert len(reqs) >= groups and all(e["tid"].startswith("http://") and e["args"]["n"] == 4 for e in reqs)
+    decode = [e for e in xs if e["cat"] == "engine" and e["name"] == "decode"]
+    prefill = [e for e in xs if e["cat"] == "engine" and e["name"] == "prefill"]
+    assert decode and prefill and all(1 <= e["args"]["b"] <= 256 and e["args"]["kv"] >= e["args"]["b"] for e in decode)
+    for e in by("trainer rank 0", "train_step", "main"):
+        assert e["args"]["tokens"] > e["args"]["seqs"] > 0
     p = m2po("plot", str(run), "--out", str(run / "p.png"), timeout=120)
     ok(p)
     assert "run timeline:" in p.stdout and "trainer rank 1: busy" in p.stdout and "server http://" in p.stdout
+    assert f"{servers[0]} engine: busy" in p.stdout
+    # the simulator calibrated on this run predicts it back (`m2po plan RUN_DIR`); how well is bench_plan's job
+    p = m2po("plan", str(run), "--skip", "1", "--format", "json", timeout=120)
+    ok(p)
+    doc = json.loads(p.stdout)
+    assert doc["calibrated_on"] == str(run) and doc["summary"]["step_s"]["predicted"] > 0
+    assert doc["summary"]["step_s"]["measured"] == pytest.approx(
+        sum(r["time/step"] for r in steps_rows(run)[1:]) / (steps - 1))
+
+
+def steps_rows(run: Path) -> list[dict]:
+    return [r for r in read_metrics(run / "metrics.jsonl") if "time/step" in r]
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
