@@ -15,8 +15,7 @@
 - **Weight sync**: `sync_fixed_s + bytes x sync_per_byte_s`, bytes = N x 2 (bf16) over NVLink when the
   servers share the trainer's node, else one InfiniBand NIC (the sender is trainer rank 0).
 
-A `Costs` is built from hardware figures (`from_hardware`); fitting one on a run's timeline is not built yet
-(issue 23)."""
+A `Costs` is built from hardware figures (`from_hardware`) or fitted on a run's timeline (plan/calibrate.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Optional
 
 from m2po_megatron.plan.hardware import GPUS, EFFICIENCY, Gpu
 
-__all__ = ["Costs", "Layout", "from_hardware"]
+__all__ = ["Costs", "Layout", "efficiency_of", "from_hardware"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +41,19 @@ class Costs:
     sync_per_byte_s: float
     weight_bytes: float
     source: str = ""  # where the figures came from
+    loop_fixed_s: float = 0.0  # the loop's own time per step outside waiting, training and syncing
+    # A host whose cores the trainer and the servers share (a CPU machine; 0: each has its own GPUs). With n
+    # threads busy, each runs at speed(n): contention slows two busy threads below one each (hyper-threads,
+    # caches, memory bandwidth), and past the cores they time-share.
+    shared_cores: int = 0
+    contention: float = 0.0
+
+    def speed(self, busy: int) -> float:
+        """Speed of each busy thread, relative to running alone, when `busy` threads are busy."""
+        if not self.shared_cores or busy <= 1:
+            return 1.0
+        m = min(busy, self.shared_cores)
+        return 1.0 / (1.0 + self.contention * (m - 1)) * min(1.0, self.shared_cores / busy)
 
     def train_s(self, tokens: float, updates: int, logprob_pass: bool) -> float:
         per_token = self.train_per_token_s + (self.logprob_per_token_s if logprob_pass else 0.0)
@@ -116,7 +128,9 @@ def from_hardware(shape, params: int, layout: Layout, gpu: Gpu | str, *, micro_b
         train_per_update_s=32 * params / layout.trainer_gpus / (bw * eff["hbm"]),
         train_per_token_s=train_tok,
         logprob_per_token_s=train_tok / 3,
-        decode_fixed_s=eff["decode_fixed_s"] + weights / rtp / (bw * eff["hbm"]),
+        # tensor parallelism adds two all-reduces per layer to every decode step (attention and MLP outputs)
+        decode_fixed_s=eff["decode_fixed_s"] + weights / rtp / (bw * eff["hbm"])
+        + (2 * shape.layers * eff["tp_allreduce_s"] if rtp > 1 else 0.0),
         decode_per_seq_s=2 * params / rtp / (peak * eff["decode_compute"]),
         decode_per_kv_s=kv_bytes / rtp / (bw * eff["hbm"]),
         prefill_per_token_s=2 * params / rtp / (peak * eff["prefill"]),
@@ -126,3 +140,29 @@ def from_hardware(shape, params: int, layout: Layout, gpu: Gpu | str, *, micro_b
         weight_bytes=weights,
         source=f"{g.name} datasheet, efficiencies {eff}",
     )
+
+
+def efficiency_of(costs: Costs, shape, params: int, layout: Layout, gpu: Gpu | str, *, micro_batches: int,
+                  mean_context: float, same_node_sync: bool = False, has_engine: bool = True) -> dict:
+    """The efficiencies under which `from_hardware` gives `costs` (fitted on a run of this layout and GPU):
+    from_hardware inverted, term by term. The decode terms only when the run traced its engine's steps."""
+    g = GPUS[gpu] if isinstance(gpu, str) else gpu
+    peak, bw = g.bf16_tflops * 1e12, g.hbm_tb_s * 1e12
+    flops_tok = 6 * params + 12 * shape.layers * shape.hidden * mean_context / 2
+    bubble = 1 + (layout.pp - 1) / max(micro_batches, 1)
+    rtp, weights = layout.rollout_tp, params * 2
+    link = g.nvlink_gb_s if same_node_sync else g.ib_gb_s_per_node
+    out = {"mfu": flops_tok * bubble / (layout.trainer_gpus * peak * costs.train_per_token_s),
+           "train_fixed_s": costs.train_fixed_s}
+    if costs.sync_s() > EFFICIENCY["sync_fixed_s"]:
+        out["link"] = weights / (link * 1e9 * (costs.sync_s() - EFFICIENCY["sync_fixed_s"]))
+    if has_engine and costs.decode_per_kv_s > 0:
+        kv_bytes = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2
+        hbm = kv_bytes / rtp / (bw * costs.decode_per_kv_s)
+        tp_comm = 2 * shape.layers * EFFICIENCY["tp_allreduce_s"] if rtp > 1 else 0.0
+        out.update(hbm=hbm, decode_fixed_s=max(costs.decode_fixed_s - weights / rtp / (bw * hbm) - tp_comm, 0.0))
+        if costs.decode_per_seq_s > 0:
+            out["decode_compute"] = 2 * params / rtp / (peak * costs.decode_per_seq_s)
+        if costs.prefill_per_token_s > 0:
+            out["prefill"] = 2 * params / rtp / (peak * costs.prefill_per_token_s)
+    return out

@@ -9,12 +9,15 @@ GPU, as in DGX/HGX nodes):
 - A100 SXM4 80 GB: NVIDIA A100 Tensor Core GPU datasheet: 312 TFLOPS, 2.039 TB/s, NVLink 600 GB/s; DGX A100:
   8 x ConnectX-6 200 Gb/s (25 GB/s per GPU).
 
-The efficiencies are assumptions, not measurements (fitting them on a run is issue 23's next step): MFU 0.35 for
+The efficiencies are assumptions, not measurements: MFU 0.35 for
 the trainer (Megatron-LM reports 40-47 % for dense GPT training at scale; RL batches of ragged sequences run
 below that), 70 % of HBM bandwidth for decode and the optimizer, half the peak for prefill and for decode's
 compute, half the link for the weight broadcast (it also gathers tensor-parallel shards and converts names),
 fixed costs of 2 ms per decode step (scheduling, sampling), 1 s per train step (the Ray call, packing) and 2 s
-per weight sync (pause, group set-up, resume), and at most 1024 sequences running on one server.
+per weight sync (pause, group set-up, resume), and at most 1024 sequences running on one server. A rollout
+server with TP > 1 pays two all-reduces per layer per decode step, 15 us each: the latency of a small NCCL
+all-reduce within an NVLink node (nccl-tests' all_reduce_perf at a few KB reports 10-20 us on H100 nodes).
+`m2po plan --calibrate RUN_DIR --gpu GPU` replaces these with what a run measured (plan/calibrate.py).
 """
 from __future__ import annotations
 
@@ -49,4 +52,5 @@ EFFICIENCY = {
     "train_fixed_s": 1.0,
     "sync_fixed_s": 2.0,
     "max_running_cap": 1024,
+    "tp_allreduce_s": 15e-6,
 }

@@ -177,7 +177,9 @@ def plan(cfg: DictConfig, gpus: int, gpus_per_node: int = 8, gpu: str = "h100", 
     for c in ranked:
         c.predicted.update(_simulate(c.spec, c.costs, steps, seed))
         c.predicted["sync_s"] = c.costs.sync_s()
-    ranked.sort(key=lambda c: -c.predicted["tokens_per_s"])
+    # equal predictions (to 0.1 %) go to the smaller trainer model-parallel group: less communication, which
+    # the trainer's cost model does not see
+    ranked.sort(key=lambda c: (-float(f"{c.predicted['tokens_per_s']:.3g}"), c.layout.tp * c.layout.pp, c.memory_gb))
     return {"ranked": ranked, "layouts": len(all_layouts), "over_memory": over, "skipped": skipped,
             "unchecked": len(found) - checked}
 

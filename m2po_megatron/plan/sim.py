@@ -96,8 +96,16 @@ class SimResult:
 
 
 class _Clock:
-    def __init__(self):
+    """Events in work time (`now`: seconds of work done by a component running alone), and the wall time they
+    take (`wall`). Between events the set of busy components is fixed, so every busy one runs at
+    Costs.speed(number busy) and work time maps to wall time piecewise; with dedicated devices the two are equal.
+    Each component's wall-clock busy time is summed here."""
+
+    def __init__(self, speed: Callable[[int], float] = lambda n: 1.0):
         self.now = 0.0
+        self.wall = 0.0
+        self.speed = speed
+        self.components: list = []  # objects with busy() -> bool and a busy_wall float
         self._events: list = []
         self._seq = itertools.count()
         self.after_event: Optional[Callable[[], None]] = None
@@ -105,11 +113,21 @@ class _Clock:
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn))
 
+    def _move(self, t: float) -> None:
+        if t <= self.now:
+            return
+        busy = [c for c in self.components if c.busy()]
+        dw = (t - self.now) / self.speed(len(busy))
+        for c in busy:
+            c.busy_wall += dw
+        self.wall += dw
+        self.now = t
+
     def run_next(self) -> bool:
         if not self._events:
             return False
         t, _, fn = heapq.heappop(self._events)
-        self.now = max(self.now, t)
+        self._move(t)
         fn()
         if self.after_event is not None:
             self.after_event()
@@ -118,7 +136,22 @@ class _Clock:
     def run_until(self, t: float) -> None:
         while self._events and self._events[0][0] <= t:
             self.run_next()
-        self.now = max(self.now, t)
+        self._move(t)
+
+
+class _Busy:
+    """The trainer (or the loop's own work): busy while `on`."""
+
+    def __init__(self):
+        self.on, self.busy_wall = False, 0.0
+
+    def busy(self) -> bool:
+        return self.on
+
+    def work(self, clock: _Clock, seconds: float) -> None:
+        self.on = True
+        clock.run_until(clock.now + seconds)
+        self.on = False
 
 
 class _Future:
@@ -172,8 +205,12 @@ class _Server:
         self.version = 0
         self.epoch = 0  # invalidates scheduled completions
         self.inflight = 0  # samples sent and not answered (the client's view)
-        self.busy_s = 0.0
+        self.busy_wall = 0.0  # summed by the clock
         self._ids = itertools.count()
+        clock.components.append(self)
+
+    def busy(self) -> bool:
+        return not self.paused and bool(self.running)
 
     def _advance(self, now: float) -> None:
         """Bring step/kv to the last whole decode step finished by `now`."""
@@ -186,7 +223,6 @@ class _Server:
         b = len(self.running)
         k = min(self.c.steps_within(now - start, b, self.kv), self.running[0][0] - self.step)
         dt = self.c.decode_s(k, b, self.kv)
-        self.busy_s += dt
         self.step += k
         self.kv += k * b
         self.t = start + dt
@@ -211,7 +247,6 @@ class _Server:
         if prefill:
             cost = prefill * self.c.prefill_per_token_s
             self.ready = max(self.ready, self.t, self.clock.now) + cost
-            self.busy_s += cost
 
     def submit(self, req: _Request, prompt_len: int, lengths: list[int]) -> None:
         self._advance(self.clock.now)
@@ -303,7 +338,9 @@ def simulate(spec: SimSpec, costs: Costs, steps: int, seed: int = 0, skip: Optio
     if spec.mode not in ("on_policy", "fixed_lag", "bounded"):
         raise ValueError(f"mode = {spec.mode!r} is not one of on_policy, fixed_lag, bounded (staleness.mode)")
     rng = random.Random(seed)
-    clock = _Clock()
+    clock = _Clock(costs.speed)
+    trainer = _Busy()
+    clock.components.append(trainer)
     max_running = max(1, min(costs.max_running, spec.max_concurrency))
     servers = [_Server(clock, costs, max_running) for _ in range(spec.num_servers)]
     maker = _Maker(clock, servers, spec, rng)
@@ -325,12 +362,12 @@ def simulate(spec: SimSpec, costs: Costs, steps: int, seed: int = 0, skip: Optio
 
         def recompute(groups):  # the trainer's pass over the batch, between generation and queueing
             tokens = sum(len(s.prompt_ids) + len(s.output_ids) for g in groups for s in g.samples)
-            clock.run_until(clock.now + tokens * costs.logprob_per_token_s)
+            trainer.work(clock, tokens * costs.logprob_per_token_s)
         gen = SyncGenerator(maker, _Prompts(), ledger, G, lag, recompute if spec.recompute_behaviour else None,
                             max_gen_batches=spec.max_gen_batches)
     version, rows = 0, []
     for step in range(steps):
-        t0 = clock.now
+        t0 = clock.wall
         if spec.mode == "bounded":
             while (groups := gen.take_batch()) is None:
                 if not clock.run_next():
@@ -338,34 +375,34 @@ def simulate(spec: SimSpec, costs: Costs, steps: int, seed: int = 0, skip: Optio
                                        "(a bug in plan/sim.py or in the controller it drives)")
         else:
             groups = gen.next_groups(version)
-        t1 = clock.now
+        t1 = clock.wall
         samples = [s for g in groups for s in g.samples if s.output_ids]
         stale = [version - s.min_version for s in samples]
         ledger.consume([s.sample_id for s in samples], version, [s.versions for s in samples])
         tokens = sum(len(s.prompt_ids) + len(s.output_ids) for s in samples)
-        clock.run_until(clock.now + costs.train_s(tokens, U, spec.logprob_pass))
-        t2 = clock.now
+        trainer.work(clock, costs.train_s(tokens, U, spec.logprob_pass))
+        t2 = clock.wall
         version += U
         gen.on_step(version, updates=U)
         if gen.needs_sync():
             gen.pause()
             for s in servers:
                 s.pause()
-            clock.run_until(clock.now + costs.sync_s())
+            trainer.work(clock, costs.sync_s())
             gen.on_sync(version)
             for s in servers:
                 s.resume(version)
             gen.resume()
             if spec.mode == "bounded":
                 gen.pump()
+        t3 = clock.wall
+        trainer.work(clock, costs.loop_fixed_s)  # the loop's bookkeeping, metrics and logging
         ledger.end_step(pending=gen.pending())
-        rows.append({"t_end": clock.now, "step_s": clock.now - t0, "wait_s": t1 - t0, "train_s": t2 - t1,
-                     "sync_s": clock.now - t2, "tokens": tokens, "samples": len(samples),
+        rows.append({"t_end": clock.wall, "step_s": clock.wall - t0, "wait_s": t1 - t0, "train_s": t2 - t1,
+                     "sync_s": t3 - t2, "tokens": tokens, "samples": len(samples),
                      "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
                      "staleness_max": max(stale) if stale else 0})
-    for s in servers:
-        s._advance(clock.now)
     if skip is None:
         fill = math.ceil(spec.max_staleness / U) + 1 if spec.mode == "bounded" else 1
         skip = min(fill, steps // 2)
-    return SimResult(rows, [s.busy_s for s in servers], clock.now, skip)
+    return SimResult(rows, [s.busy_wall for s in servers], clock.wall, skip)

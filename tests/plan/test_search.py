@@ -14,3 +14,27 @@ def test_recommended_layouts_pass_m2po_config():
         assert c.memory_gb <= c.overrides["cluster.gpu_memory_gb"]
         load_config("recipes/paper/qwen3-8b-base.yaml", c.dotted(), check_files=False)  # raises if invalid
         assert c.predicted["staleness_mean"] == 256  # fixed_lag 64 x 4
+
+
+def test_plan_command_writes_the_best_layout_as_a_recipe_that_validates(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "overrides.yaml"
+    p = subprocess.run([sys.executable, "-m", "m2po_megatron.cli", "plan", "recipes/paper/qwen3-8b-base.yaml",
+                        "--gpus", "16", "--top", "2", "--out", str(out), "--format", "json",
+                        "staleness.mode=bounded", "staleness.max_staleness=8", "staleness.sync_interval=4"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    best = doc["ranked"][0]
+    assert [r["predicted"]["tokens_per_s"] for r in doc["ranked"]] == sorted(
+        (r["predicted"]["tokens_per_s"] for r in doc["ranked"]), reverse=True)
+    assert best["predicted"]["staleness_max"] <= 8  # the window holds in the simulation (the real controller)
+    cfg = load_config(str(out), check_files=False)  # the written recipe extends the planned one and validates
+    assert cfg.parallel.tensor_model_parallel_size == best["overrides"]["parallel.tensor_model_parallel_size"]
+    assert cfg.rollout.num_servers == best["overrides"]["rollout.num_servers"]
+    assert cfg.staleness.sync_interval == best["overrides"]["staleness.sync_interval"]
+    assert cfg.run.name == "qwen3-8b-base"  # the recipe's own fields
+    assert cfg.staleness.mode == "bounded" and cfg.staleness.max_staleness == 8  # and the command line's

@@ -1,0 +1,230 @@
+"""`m2po plan`: size a cluster for a recipe from a simulation of the asynchronous loop (docs/plan.md).
+
+    m2po plan RECIPE --gpus 64 [--gpus-per-node 8] [--gpu h100] [--out overrides.yaml] [--format json] [k=v ...]
+    m2po plan --calibrate RUN_DIR [--gpu h100] [--out calibration.json]
+    m2po plan RUN_DIR [--calibration calibration.json]
+
+The first enumerates the trainer/rollout splits and layouts that pass the config's validation and fit the memory
+estimate, simulates the best of them (plan/sim.py drives the project's own generators and staleness
+controller on a simulated clock) and prints them ranked by predicted trained tokens per second; --out writes
+the best as dotted overrides. The second fits the cost model on a finished run's timeline and metrics
+(plan/calibrate.py); with --gpu the fit is also expressed as efficiencies of that GPU, which the first form
+takes with --calibration. The third puts what the simulation predicts for a finished run next to what the
+run measured (calibrated on the run itself unless --calibration names another)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+_SUMMARY = ("step_s", "wait_s", "train_s", "sync_s", "tokens_per_s", "steps_per_hour", "staleness_mean",
+            "staleness_max")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="size a cluster for a recipe from a simulation (and calibrate it on a run)",
+                       description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    p.add_argument("target", nargs="?", default=None, metavar="RECIPE|RUN_DIR",
+                   help="a recipe (a path or a name under recipes/) to plan, or a finished run to predict")
+    p.add_argument("overrides", nargs="*", help="dotted overrides for the recipe, e.g. train.prompts_per_step=64")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs in the cluster (whole nodes past one node)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", default=None, choices=("h100", "h200", "a100"),
+                   help="the GPU (default h100 for a plan; for --calibrate: the GPU the run used, if any)")
+    p.add_argument("--top", type=int, default=8, help="layouts to simulate and show (default 8)")
+    p.add_argument("--format", default="table", choices=("table", "json"))
+    p.add_argument("--out", default=None,
+                   help="a plan: write the best layout as recipe overrides (YAML); --calibrate: the fit (JSON)")
+    p.add_argument("--calibrate", default=None, metavar="RUN_DIR", help="fit the cost model on this run")
+    p.add_argument("--calibration", default=None, metavar="FILE", help="a fit written by --calibrate --out")
+    p.add_argument("--mfu", type=float, default=None,
+                   help="the trainer's model FLOPs utilisation, measured on your GPUs (training tokens/s x 6 x "
+                        "parameters / peak FLOPs; benchmarks/gpu_check.py prints tokens/s) or the default 0.35 "
+                        "(or the calibration's)")
+    p.add_argument("--skip", type=int, default=3, help="a run's first steps left out (start-up; default 3)")
+    p.add_argument("--steps", type=int, default=None, help="steps to simulate (default: enough to fill the window)")
+    p.set_defaults(func=run)
+
+
+def _is_run_dir(path: str) -> bool:
+    d = Path(path)
+    return d.is_dir() and (d / "config.yaml").is_file() and (d / "metrics.jsonl").is_file()
+
+
+def _fail(msg: str) -> int:
+    print(f"m2po plan: {msg}", file=sys.stderr)
+    return 2
+
+
+def run(args) -> int:
+    from m2po_megatron.config import ConfigError
+
+    try:
+        if args.calibrate:
+            return _calibrate(args)
+        if args.target is None:
+            return _fail("give a RECIPE with --gpus N, a RUN_DIR, or --calibrate RUN_DIR (see --help)")
+        if _is_run_dir(args.target):
+            return _predict_run(args)
+        return _plan(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        return _fail(str(e))
+
+
+def _load_calibration(path: str):
+    from m2po_megatron.plan.calibrate import Calibration
+
+    try:
+        return Calibration.from_dict(json.loads(Path(path).read_text()))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--calibration {path}: cannot read it ({e}); write one with "
+                         "`m2po plan --calibrate RUN_DIR --out FILE`") from None
+
+
+def _calibrate(args) -> int:
+    from m2po_megatron.plan.calibrate import calibrate
+
+    if not _is_run_dir(args.calibrate):
+        return _fail(f"--calibrate {args.calibrate}: not a run directory (config.yaml and metrics.jsonl)")
+    cal = calibrate(args.calibrate, skip=args.skip)
+    if args.gpu:
+        cal.fit["efficiency"] = _efficiency(cal, args.gpu)
+    doc = cal.to_dict()
+    text = json.dumps(doc, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if args.format == "json":
+        print(text)
+    else:
+        c = doc["costs"]
+        print(f"calibrated on {args.calibrate} ({cal.fit['steps']} steps after {args.skip}; "
+              f"{cal.fit['decode_spans']} decode spans)")
+        for k in ("train_fixed_s", "train_per_update_s", "train_per_token_s", "logprob_per_token_s",
+                  "decode_fixed_s", "decode_per_seq_s", "decode_per_kv_s", "prefill_per_token_s", "sync_fixed_s",
+                  "loop_fixed_s", "shared_cores", "contention"):
+            print(f"  {k:22s} {c[k]:.4g}")
+        print(f"  responses: mean {cal.response.mean:.1f} tokens, cv {cal.response.cv:.2f}, max "
+              f"{cal.response.max}; prompts {cal.prompt_len:.1f} tokens")
+        if "efficiency" in cal.fit:
+            print("  efficiencies on " + args.gpu + ": "
+                  + ", ".join(f"{k} {v:.3g}" for k, v in cal.fit["efficiency"].items()))
+        if args.out:
+            print(f"written to {args.out}")
+    return 0
+
+
+def _efficiency(cal, gpu: str) -> dict:
+    """The fit as efficiencies of `gpu`, at the calibration run's own layout."""
+    from m2po_megatron.config import load_config, model_hf_config
+    from m2po_megatron.models.memory import model_shape, param_count
+    from m2po_megatron.plan.costs import Layout, efficiency_of
+
+    cfg = load_config(Path(cal.run_dir) / "config.yaml", check_files=False)
+    hf = model_hf_config(cfg)
+    p, r = cfg.parallel, cfg.rollout
+    lay = Layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size, r.tp_size,
+                 r.num_servers)
+    ctx = cal.prompt_len + cal.response.mean
+    tokens_update = cfg.train.prompts_per_step * r.n_samples_per_prompt * ctx / cfg.train.updates_per_step
+    mbs = max(1, round(tokens_update / lay.dp / cfg.train.micro_batch_tokens))
+    return efficiency_of(cal.costs, model_shape(hf), param_count(hf), lay, gpu, micro_batches=mbs,
+                         mean_context=ctx, has_engine=cal.fit.get("decode_spans", 0) > 0)
+
+
+def _predict_run(args) -> int:
+    from m2po_megatron.config import load_config
+    from m2po_megatron.plan.calibrate import calibrate, measured, predict
+
+    cal = _load_calibration(args.calibration) if args.calibration else calibrate(args.target, skip=args.skip)
+    cfg = load_config(Path(args.target) / "config.yaml", check_files=False)
+    got = measured(args.target, skip=args.skip)
+    pred = predict(cfg, cal, steps=args.steps, skip=args.skip)
+    rows = {k: {"predicted": pred[k], "measured": got[k],
+                "error": (pred[k] - got[k]) if k.startswith("staleness") else
+                (pred[k] / got[k] - 1 if got[k] else None)} for k in _SUMMARY}
+    doc = {"run_dir": args.target, "calibrated_on": cal.run_dir, "summary": rows,
+           "predicted_idle": {"trainer": pred["trainer_idle_frac"], "rollout": pred["rollout_idle_frac"]}}
+    if args.format == "json":
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"{args.target}: predicted (calibrated on {cal.run_dir}) against measured, after step {args.skip}")
+    print(f"  {'':16s} {'predicted':>10s} {'measured':>10s} {'error':>8s}")
+    for k, r in rows.items():
+        err = "" if r["error"] is None else (f"{r['error']:+.2f}" if k.startswith("staleness")
+                                             else f"{100 * r['error']:+.1f} %")
+        print(f"  {k:16s} {r['predicted']:10.3f} {r['measured']:10.3f} {err:>8s}")
+    print(f"  predicted idle: trainer {100 * pred['trainer_idle_frac']:.1f} %, rollout "
+          f"{100 * pred['rollout_idle_frac']:.1f} %")
+    return 0
+
+
+def _plan(args) -> int:
+    from m2po_megatron.config import load_config
+    from m2po_megatron.plan.search import plan
+
+    if args.gpus is None:
+        return _fail(f"{args.target}: give the cluster's size with --gpus N (a recipe is planned for a cluster)")
+    cfg = load_config(args.target, list(args.overrides), check_files=False)
+    efficiency = None
+    if args.calibration:
+        cal = _load_calibration(args.calibration)
+        efficiency = cal.fit.get("efficiency")
+        if not efficiency:
+            return _fail(f"--calibration {args.calibration} has no GPU efficiencies (a CPU run, or calibrated "
+                         "without --gpu); calibrate a GPU run with `m2po plan --calibrate RUN_DIR --gpu GPU`")
+    if args.mfu is not None:
+        if not 0 < args.mfu <= 1:
+            return _fail(f"--mfu {args.mfu}: give a fraction in (0, 1], e.g. 0.35")
+        efficiency = {**(efficiency or {}), "mfu": args.mfu}
+    gpu = args.gpu or "h100"
+    res = plan(cfg, args.gpus, args.gpus_per_node, gpu, steps=args.steps, top=args.top, efficiency=efficiency)
+    ranked = res["ranked"]
+    if not ranked:
+        return _fail(f"no layout of {args.gpus} x {gpu} fits this recipe ({res['layouts']} tried, "
+                     f"{res['over_memory']} over the memory estimate; {res['skipped']}); add GPUs or lower "
+                     "train.micro_batch_tokens")
+    if args.out:
+        _write_overrides(args.out, ranked[0], args.target, list(args.overrides), args.gpus, gpu)
+    if args.format == "json":
+        print(json.dumps({"recipe": args.target, "gpus": args.gpus, "gpu": gpu, "layouts": res["layouts"],
+                          "over_memory": res["over_memory"], "skipped": res["skipped"],
+                          "ranked": [{"layout": vars(c.layout), "overrides": c.overrides,
+                                      "memory_gb": c.memory_gb, "predicted": c.predicted} for c in ranked]},
+                         indent=2))
+        return 0
+    print(format_plan(res, args.target, args.gpus, gpu))
+    if args.out:
+        print(f"the best layout written to {args.out}; it extends the recipe: `m2po train {args.out}`")
+    return 0
+
+
+def format_plan(res: dict, recipe: str, gpus: int, gpu: str) -> str:
+    head = (f"{recipe} on {gpus} x {gpu}: {res['layouts']} layouts, {res['over_memory']} over memory, "
+            f"{sum(res['skipped'].values())} refused by validation; best {len(res['ranked'])} simulated")
+    cols = ("rank", "train GPUs", "TPxPPxDP", "rollout", "sync int", "tokens/s", "steps/h", "idle T/R %",
+            "stale mean/max", "sync s", "mem GiB")
+    lines = [head, " | ".join(cols), " | ".join("-" * len(c) for c in cols)]
+    for i, c in enumerate(res["ranked"], 1):
+        lay, p = c.layout, c.predicted
+        lines.append(" | ".join([
+            str(i), str(lay.trainer_gpus), f"{lay.tp}x{lay.pp}x{lay.dp}", f"{lay.num_servers} x TP{lay.rollout_tp}",
+            str(c.overrides.get("staleness.sync_interval", "-")), f"{p['tokens_per_s']:.0f}",
+            f"{p['steps_per_hour']:.1f}", f"{100 * p['trainer_idle_frac']:.0f}/{100 * p['rollout_idle_frac']:.0f}",
+            f"{p['staleness_mean']:.1f}/{p['staleness_max']}", f"{p['sync_s']:.1f}", f"{c.memory_gb:.1f}"]))
+    return "\n".join(lines)
+
+
+def _write_overrides(path: str, best, recipe: str, user: list[str], gpus: int, gpu: str) -> None:
+    """The best layout as a recipe that extends the planned one, with the command line's overrides under the
+    layout's (`m2po train overrides.yaml` runs what was planned)."""
+    from omegaconf import OmegaConf
+
+    nested = OmegaConf.to_container(OmegaConf.merge(OmegaConf.from_dotlist(user),
+                                                    OmegaConf.from_dotlist(best.dotted())))
+    header = (f"# m2po plan {recipe} --gpus {gpus} --gpu {gpu}: predicted {best.predicted['tokens_per_s']:.0f} "
+              f"tokens/s, {best.predicted['steps_per_hour']:.1f} steps/h, staleness mean "
+              f"{best.predicted['staleness_mean']:.1f}\n")
+    ref = str(Path(recipe).resolve()) if Path(recipe).is_file() else recipe
+    Path(path).write_text(header + OmegaConf.to_yaml(OmegaConf.create({"extends": ref, **nested})))

@@ -1,0 +1,305 @@
+"""Fit the simulator's costs on a finished run (`m2po plan --calibrate RUN_DIR`), and say what a run measured.
+
+From the run's timeline (trace.json) and metrics:
+- **Rollout server**: every decode step of the CPU engine is a span with its batch size B and KV tokens K, so
+  `decode_fixed_s + B x decode_per_seq_s + K x decode_per_kv_s` is a least-squares fit (relative residuals,
+  non-negative terms); prefill spans give seconds per prompt token. A run on SGLang has no engine spans; its
+  decode figures stay the datasheet's (`has_engine` says which).
+- **Contention** (a host whose cores the trainer and the servers share): while the trainer computes, a decode
+  step takes longer, and the other way round. A span's work is the integral of Costs.speed(1 + others busy)
+  over it, and `contention` is the value under which both the decode fit and the trainer's per-token phases
+  (work proportional to tokens) fit best (a grid over [0, 2]); every other figure is then taken as work, not
+  wall time, so it does not carry the overlap of the run it came from.
+- **Trainer**: the rank's per-update phases: `forward_backward` and `logprob_pass` over the step's tokens
+  give seconds per token, `optimizer` seconds per update, and the rest of the loop's `train_step` span (the
+  Ray call, packing) the fixed part.
+- **Weight sync**: the loop's `weight_sync` spans (the servers are paused: nothing overlaps).
+- **Loop**: `time/step` less waiting, training and syncing, per step.
+- **Lengths**: response lengths' mean and coefficient of variation and the mean prompt length, from metrics.
+
+The first `skip` steps (start-up, compilation) are left out of every figure.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import os
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from m2po_megatron.plan.costs import Costs
+from m2po_megatron.plan.sim import LengthDist
+
+__all__ = ["Calibration", "calibrate", "measured", "run_spans"]
+
+DEFAULT_SKIP = 3
+CPU_MAX_RUNNING = 256  # the CPU server's --max-running-requests default (rollout/local_server.py)
+
+
+@dataclass
+class Calibration:
+    costs: Costs
+    response: LengthDist
+    prompt_len: float
+    accuracy: float
+    fit: dict = field(default_factory=dict)  # diagnostics: spans used, residuals, contention grid
+    run_dir: str = ""
+
+    def to_dict(self) -> dict:
+        return {"run_dir": self.run_dir, "costs": asdict(self.costs), "response": asdict(self.response),
+                "prompt_len": self.prompt_len, "accuracy": self.accuracy, "fit": self.fit}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        try:
+            return cls(costs=Costs(**d["costs"]), response=LengthDist(**d["response"]),
+                       prompt_len=float(d["prompt_len"]), accuracy=float(d["accuracy"]), fit=d.get("fit", {}),
+                       run_dir=d.get("run_dir", ""))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a calibration file written by `m2po plan --calibrate` ({e!r}); write one "
+                             "with `m2po plan --calibrate RUN_DIR --out FILE`") from None
+
+
+# ---------------------------------------------------------------------------------------------- the timeline
+
+class _Busy:
+    """The union of one component's busy intervals (seconds), for overlap queries."""
+
+    def __init__(self, intervals: list[tuple[float, float]]):
+        merged: list[list[float]] = []
+        for a, b in sorted(intervals):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        self.starts = [m[0] for m in merged]
+        self.iv = merged
+
+    def clip(self, a: float, b: float) -> list[tuple[float, float]]:
+        i = max(bisect.bisect_right(self.starts, a) - 1, 0)
+        out = []
+        while i < len(self.iv) and self.iv[i][0] < b:
+            lo, hi = max(self.iv[i][0], a), min(self.iv[i][1], b)
+            if hi > lo:
+                out.append((lo, hi))
+            i += 1
+        return out
+
+
+def run_spans(run_dir: str | Path) -> dict:
+    """The run's spans in seconds, by kind: {"decode": [(t0, t1, b, kv, server)], "prefill": [(t0, t1, tokens,
+    server)], "phases": [(t0, t1, name, rank)], "rank_busy": {rank: [(t0, t1)]}, "loop": {name: [(t0, t1,
+    args)]}}."""
+    from m2po_megatron.infra.trace import read_trace
+
+    doc = read_trace(run_dir)
+    names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    out: dict = {"decode": [], "prefill": [], "phases": [], "rank_busy": {}, "loop": {}}
+    for e in doc["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        t0 = e["ts"] / 1e6
+        t1, proc, args = t0 + e["dur"] / 1e6, names.get(e["pid"], ""), e.get("args") or {}
+        if e.get("cat") == "engine" and e["name"] == "decode":
+            out["decode"].append((t0, t1, args["b"], args["kv"], proc))
+        elif e.get("cat") == "engine" and e["name"] == "prefill":
+            out["prefill"].append((t0, t1, args["tokens"], proc))
+        elif proc.startswith("trainer") and e.get("tid") == "phases":
+            out["phases"].append((t0, t1, e["name"], proc))
+        elif proc.startswith("trainer") and e.get("tid") == "main":
+            out["rank_busy"].setdefault(proc, []).append((t0, t1))
+        elif proc == "loop" and e.get("tid") == "loop":
+            out["loop"].setdefault(e["name"], []).append((t0, t1, args))
+    return out
+
+
+def _work(a: float, b: float, others: list[_Busy], costs_speed) -> float:
+    """Seconds of solo work in [a, b] for a component that was busy all along while `others` were busy as
+    recorded: the integral of speed(1 + number of others busy)."""
+    edges = [(a, 0)]
+    for o in others:
+        for lo, hi in o.clip(a, b):
+            edges += [(lo, 1), (hi, -1)]
+    edges.sort()
+    work, n, t = 0.0, 0, a
+    for x, d in edges:
+        work += (x - t) * costs_speed(1 + n)
+        n, t = n + d, x
+    return work + (b - t) * costs_speed(1 + n)
+
+
+# ---------------------------------------------------------------------------------------------- fits
+
+def _lsq(rows: list[list[float]], y: list[float]) -> tuple[list[float], float]:
+    """Non-negative least squares on relative residuals (each row divided by its y), by dropping negative
+    terms and refitting; returns (coefficients, RMS relative residual)."""
+    import numpy as np
+
+    A = np.array(rows, dtype=float) / np.array(y)[:, None]
+    ones = np.ones(len(y))
+    active = list(range(A.shape[1]))
+    coef = np.zeros(A.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(A[:, active], ones, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0
+            coef[active] = sol
+            break
+        active = [c for c, v in zip(active, sol) if v > 0]
+    resid = A @ coef - ones
+    return coef.tolist(), float(np.sqrt(np.mean(resid ** 2)))
+
+
+def _window(spans: dict, skip: int) -> tuple[float, float]:
+    """From the start of step `skip`'s train_step (steps counted from 0) to the end of the last one."""
+    steps = sorted(spans["loop"].get("train_step", []))
+    if len(steps) <= skip:
+        raise ValueError(f"the run's timeline has {len(steps)} train steps; calibration leaves out the first "
+                         f"{skip} and needs at least one more (a longer run, or a smaller skip)")
+    waits = sorted(spans["loop"].get("wait_rollout", []))
+    start = waits[skip][0] if len(waits) > skip else steps[skip][0]
+    return start, steps[-1][1]
+
+
+def calibrate(run_dir: str | Path, skip: int = DEFAULT_SKIP, cores: Optional[int] = None) -> Calibration:
+    """Fit a Costs on RUN_DIR (see the module's docstring). `cores`: the host's cores when the trainer and the
+    servers shared them (default: this machine's, for a run of the CPU server; 0 for a GPU run)."""
+    import dataclasses
+
+    from m2po_megatron.config import load_config
+    from m2po_megatron.run.metrics import read_metrics
+
+    rdir = Path(run_dir)
+    cfg = load_config(rdir / "config.yaml", check_files=False)
+    spans = run_spans(rdir)
+    lo, hi = _window(spans, skip)
+    inside = lambda t0, t1: t0 >= lo and t1 <= hi  # noqa: E731
+    decode = [d for d in spans["decode"] if inside(d[0], d[1])]
+    has_engine = bool(decode)
+    if cores is None:
+        cores = (os.cpu_count() or 1) if has_engine else 0
+    servers = sorted({d[4] for d in spans["decode"]})
+    busy_server = {s: _Busy([(d[0], d[1]) for d in spans["decode"] + spans["prefill"] if d[-1] == s])
+                   for s in servers}
+    busy_rank = {r: _Busy(v) for r, v in spans["rank_busy"].items()}
+    ranks = sorted(busy_rank)
+
+    def others_of(component: str) -> list[_Busy]:
+        return [b for k, b in {**busy_server, **busy_rank}.items() if k != component]
+
+    rows = [r for r in read_metrics(rdir / "metrics.jsonl") if r["step"] > skip and "time/step" in r]
+    if not rows:
+        raise ValueError(f"{rdir / 'metrics.jsonl'} has no training step after the first {skip}")
+    base = Costs(train_fixed_s=0.0, train_per_update_s=0.0, train_per_token_s=0.0, logprob_per_token_s=0.0,
+                 decode_fixed_s=0.0, decode_per_seq_s=0.0, decode_per_kv_s=0.0, prefill_per_token_s=0.0,
+                 max_running=CPU_MAX_RUNNING, sync_fixed_s=0.0, sync_per_byte_s=0.0, weight_bytes=0.0,
+                 shared_cores=cores)
+    fit: dict = {"skip": skip, "steps": len(rows), "decode_spans": len(decode), "cores": cores}
+
+    # the steps in the window, with the trainer phases inside each (rank 0's) and the step's tokens
+    by_step = {r["step"]: r.get("batch/tokens", 0) for r in rows}  # the span's step counts from 0, metrics from 1
+    steps = [s for s in spans["loop"].get("train_step", []) if inside(s[0], s[1])]
+    rank = ranks[0] if ranks else None
+    phases = [p for p in spans["phases"] if p[3] == rank and inside(p[0], p[1])]
+    tokens_of = {}  # phase span -> the tokens it covered (the step's, split evenly over its updates)
+    for s0, s1, args in steps:
+        inner = [p for p in phases if s0 <= p[0] and p[1] <= s1]
+        tok = by_step.get(int(args.get("step", -2)) + 1, 0)
+        for name in ("forward_backward", "logprob_pass"):
+            mine = [p for p in inner if p[2] == name]
+            tokens_of.update({p: tok / len(mine) for p in mine})
+    n_opt = sum(1 for p in phases if p[2] == "optimizer")
+    tokens = sum(by_step.get(int(s[2].get("step", -2)) + 1, 0) for s in steps)
+    if not steps or not tokens or not n_opt:
+        raise ValueError(f"{rdir}: the timeline has no complete train steps with trainer phases after step {skip}")
+
+    # the contention under which the decode steps and the trainer's per-token phases fit their linear costs
+    # best: both slow down while the other computes (a grid; each kind's relative error weighs the same)
+    others = {c: others_of(c) for c in [*servers, *ranks]}
+    grid = [i / 50 for i in range(101)] if cores else [0.0]
+    best = (math.inf, 0.0, [0.0, 0.0, 0.0])
+    for alpha in grid:
+        speed = dataclasses.replace(base, contention=alpha).speed
+        errs = []
+        if has_engine:
+            y = [_work(t0, t1, others[s], speed) for t0, t1, _, _, s in decode]
+            coef, err = _lsq([[1.0, b, kv] for _, _, b, kv, _ in decode], y)
+            errs.append(err)
+        else:
+            coef = [0.0, 0.0, 0.0]
+        for name in ("forward_backward", "logprob_pass"):
+            mine = [p for p in tokens_of if p[2] == name and tokens_of[p] > 0]
+            if mine:
+                errs.append(_lsq([[tokens_of[p]] for p in mine], [_work(p[0], p[1], others[rank], speed)
+                                                                  for p in mine])[1])
+        err = statistics.fmean(e * e for e in errs) if errs else 0.0
+        if err < best[0]:
+            best = (err, alpha, coef)
+    alpha = best[1]
+    fit["rms_rel_error"] = round(math.sqrt(best[0]), 4) if errs else None
+    costs = dataclasses.replace(base, contention=alpha)
+    work = lambda t0, t1, comp: _work(t0, t1, others_of(comp), costs.speed)  # noqa: E731
+    prefill = [p for p in spans["prefill"] if inside(p[0], p[1])]
+    pre_tokens = sum(p[2] for p in prefill)
+    prefill_s = sum(work(p[0], p[1], p[3]) for p in prefill) / pre_tokens if pre_tokens else 0.0
+    per = {name: sum(work(p[0], p[1], rank) for p in phases if p[2] == name)
+           for name in ("forward_backward", "logprob_pass", "optimizer")}
+    train_work = sum(work(s[0], s[1], rank) for s in steps)
+    fixed = (train_work - sum(per.values())) / len(steps)
+    sync = [s for s in spans["loop"].get("weight_sync", []) if inside(s[0], s[1])]
+    mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in rows)  # noqa: E731
+    loop_s = max(0.0, mean("time/step") - mean("time/wait_rollout") - mean("time/train") - mean("time/weight_sync"))
+    costs = dataclasses.replace(
+        costs, train_fixed_s=max(fixed, 0.0), train_per_update_s=per["optimizer"] / n_opt,
+        train_per_token_s=per["forward_backward"] / tokens, logprob_per_token_s=per["logprob_pass"] / tokens,
+        decode_fixed_s=best[2][0], decode_per_seq_s=best[2][1], decode_per_kv_s=best[2][2],
+        prefill_per_token_s=prefill_s,
+        sync_fixed_s=statistics.fmean(s[1] - s[0] for s in sync) if sync else 0.0, loop_fixed_s=loop_s,
+        source=f"calibrated on {rdir} (steps after {skip})")
+    fit.update({"contention": alpha, "train_steps": len(steps), "updates": n_opt, "syncs": len(sync),
+                "prefill_spans": len(prefill)})
+    lens = [(r["response_length/mean"], r.get("response_length/std", 0.0)) for r in rows
+            if "response_length/mean" in r]
+    m = statistics.fmean(x for x, _ in lens)
+    sd = math.sqrt(statistics.fmean(s * s for _, s in lens))
+    samples = statistics.fmean(r.get("batch/sequences", 0) or 1 for r in rows)
+    prompt_len = max(1.0, mean("batch/tokens") / samples - m)
+    return Calibration(costs=costs, response=LengthDist(m, sd / m if m else 0.0, int(cfg.rollout.max_new_tokens)),
+                       prompt_len=prompt_len, accuracy=min(max(mean("reward/mean"), 0.0), 1.0), fit=fit,
+                       run_dir=str(rdir))
+
+
+def measured(run_dir: str | Path, skip: int = DEFAULT_SKIP) -> dict:
+    """What the run measured after its first `skip` steps, in SimResult.summary()'s terms."""
+    from m2po_megatron.run.metrics import read_metrics
+
+    rows = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if r["step"] > skip and "time/step" in r]
+    if not rows:
+        raise ValueError(f"{run_dir}: no training step after the first {skip} in metrics.jsonl")
+    mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in rows)  # noqa: E731
+    span = sum(r["time/step"] for r in rows)
+    n = [r.get("batch/sequences", 0) for r in rows]
+    return {"step_s": mean("time/step"), "wait_s": mean("time/wait_rollout"), "train_s": mean("time/train"),
+            "sync_s": mean("time/weight_sync"), "tokens_per_s": sum(r.get("batch/tokens", 0) for r in rows) / span,
+            "steps_per_hour": 3600 * len(rows) / span,
+            "staleness_mean": sum(r.get("staleness/mean", 0.0) * k for r, k in zip(rows, n)) / max(sum(n), 1),
+            "staleness_max": max(r.get("staleness/max", 0) for r in rows)}
+
+
+def predict(cfg, cal: Calibration, steps: Optional[int] = None, skip: int = DEFAULT_SKIP, seed: int = 0) -> dict:
+    """What the simulation predicts for a run of `cfg` on the calibrated host: its steps (default
+    train.steps) simulated, the first `skip` left out as `measured` does. Response lengths are the
+    calibration run's, cut at this recipe's max_new_tokens."""
+    import dataclasses
+
+    from m2po_megatron.plan.search import spec_from_config
+    from m2po_megatron.plan.sim import simulate
+
+    resp = dataclasses.replace(cal.response, max=int(cfg.rollout.max_new_tokens))
+    spec = spec_from_config(cfg, num_servers=cfg.rollout.num_servers, response=resp,
+                            prompt_len=max(1, round(cal.prompt_len)), accuracy=cal.accuracy)
+    n = steps or int(cfg.train.steps)
+    return simulate(spec, cal.costs, steps=n, seed=seed, skip=min(skip, n - 1)).summary()
