@@ -8,9 +8,11 @@ and sync interval, updates per step, the number of servers and the response leng
 `--steps` steps (evaluation and checkpoints off); the first `--skip` are left out of both the measurement and
 the prediction. The goal: step time and throughput within 15 %, mean staleness within 1 update. The first
 predicted run repeats the calibration's own configuration: how far two runs of one configuration differ on
-this machine, which no model can predict.
+this machine, which no model can predict. With `--anchors` the calibration's configuration runs again after
+every predicted run, and the errors are also given against the machine's speed at the time (ratios against a
+baseline measured in the same session, as every benchmark here reports).
 
-    .venv/bin/python benchmarks/bench_plan.py [--steps 20] [--skip 3] [--only NAME ...] [--out FILE]
+    .venv/bin/python benchmarks/bench_plan.py [--steps 20] [--skip 3] [--anchors] [--only NAME ...] [--out FILE]
 """
 from __future__ import annotations
 
@@ -61,8 +63,12 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", default=None, help="predict only these configurations")
     ap.add_argument("--runs", default=None, help="keep the runs here (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--anchors", action="store_true",
+                    help="after each predicted run, run the calibration's configuration again; the mean of the "
+                         "anchors before and after a run, over the calibration run's step time, is the machine's "
+                         "drift, and the errors are also reported with the prediction scaled by it")
     args = ap.parse_args()
-    from m2po_megatron.plan.calibrate import calibrate
+    from m2po_megatron.plan.calibrate import calibrate, measured
 
     task = Path(args.task_dir)
     if not (task / "build_info.json").exists():
@@ -74,11 +80,24 @@ def main() -> None:
     print("calibration:", json.dumps({k: round(v, 6) if isinstance(v, float) else v
                                       for k, v in vars(cal.costs).items() if k != "source"}), flush=True)
     res = {"calibration": cal.to_dict(), "self": compare(tmp / name, cal, args.skip), "predicted": {}}
+    base_step = res["self"]["step_s"]["measured"]
+    before = base_step  # the latest anchor's step time (the calibration run to begin with)
     for pname, extra, u in PREDICTED:
         if args.only and pname not in args.only:
             continue
         run_tiny(task, tmp, pname, args.steps, u, extra)
         res["predicted"][pname] = r = compare(tmp / pname, cal, args.skip)
+        if args.anchors:  # the calibration's configuration again, right after: the machine's speed now
+            run_tiny(task, tmp, f"anchor-{pname}", args.steps, CALIBRATION[2], CALIBRATION[1])
+            after = measured(tmp / f"anchor-{pname}", args.skip)["step_s"]
+            drift = (before + after) / 2 / base_step  # > 1: the machine ran slower than at calibration
+            r["drift"] = drift
+            r["drift_corrected"] = {"step_s": r["step_s"]["predicted"] * drift / r["step_s"]["measured"] - 1,
+                                    "tokens_per_s": r["tokens_per_s"]["predicted"] / drift
+                                    / r["tokens_per_s"]["measured"] - 1}
+            r["within_goal_drift_corrected"] = (abs(r["drift_corrected"]["step_s"]) <= 0.15 and abs(
+                r["drift_corrected"]["tokens_per_s"]) <= 0.15 and abs(r["staleness_mean"]["abs_error"]) <= 1.0)
+            before = after
         print(pname, json.dumps({k: ({kk: round(vv, 3) for kk, vv in v.items()} if isinstance(v, dict) else v)
                                  for k, v in r.items()}), flush=True)
     print("| configuration | step s (pred / meas) | error | tokens/s (pred / meas) | error | staleness mean "
@@ -91,6 +110,15 @@ def main() -> None:
               f"{st['predicted']:.2f} / {st['measured']:.2f} | {st['abs_error']:+.2f} |")
     ok = sum(r["within_goal"] for r in res["predicted"].values())
     print(f"within the goal (15 %, 1 update): {ok} of {len(res['predicted'])} predicted configurations")
+    if args.anchors:
+        print("| configuration | machine drift (anchors / calibration) | step s error, drift-corrected | "
+              "tokens/s error, drift-corrected |")
+        print("|---|---|---|---|")
+        for pname, r in res["predicted"].items():
+            d = r["drift_corrected"]
+            print(f"| {pname} | {r['drift']:.3f} | {100 * d['step_s']:+.1f} % | {100 * d['tokens_per_s']:+.1f} % |")
+        ok = sum(r["within_goal_drift_corrected"] for r in res["predicted"].values())
+        print(f"within the goal after the drift correction: {ok} of {len(res['predicted'])}")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))
 

@@ -106,6 +106,7 @@ class _Clock:
         self.wall = 0.0
         self.speed = speed
         self.components: list = []  # objects with busy() -> bool and a busy_wall float
+        self.completions = 0  # requests answered so far: the generator's state changes only when this does
         self._events: list = []
         self._seq = itertools.count()
         self.after_event: Optional[Callable[[], None]] = None
@@ -162,6 +163,7 @@ class _Future:
 
     def set_result(self, r) -> None:
         self._result, self._done = r, True
+        self.clock.completions += 1
         for cb in self._callbacks:
             cb(self)
 
@@ -351,7 +353,12 @@ def simulate(spec: SimSpec, costs: Costs, steps: int, seed: int = 0, skip: Optio
                                                           updates_per_step=U, sync_interval=spec.sync_interval)
         gen = AsyncGenerator(maker, _Prompts(), ledger, ctl, G, max_gen_batches=spec.max_gen_batches)
 
-        def settle():  # what the generation thread does between the loop's calls
+        seen = [-1]
+
+        def settle():  # what the generation thread does between the loop's calls, once a request is answered
+            if clock.completions == seen[0]:
+                return
+            seen[0] = clock.completions
             while gen.finish_one(0):
                 pass
             gen.pump()
@@ -370,9 +377,11 @@ def simulate(spec: SimSpec, costs: Costs, steps: int, seed: int = 0, skip: Optio
         t0 = clock.wall
         if spec.mode == "bounded":
             while (groups := gen.take_batch()) is None:
-                if not clock.run_next():
-                    raise RuntimeError("the simulated pipeline stalled: no batch can form and nothing runs "
-                                       "(a bug in plan/sim.py or in the controller it drives)")
+                answered = clock.completions  # a batch can form only once another request is answered
+                while clock.completions == answered:
+                    if not clock.run_next():
+                        raise RuntimeError("the simulated pipeline stalled: no batch can form and nothing runs "
+                                           "(a bug in plan/sim.py or in the controller it drives)")
         else:
             groups = gen.next_groups(version)
         t1 = clock.wall
@@ -384,6 +393,8 @@ def simulate(spec: SimSpec, costs: Costs, steps: int, seed: int = 0, skip: Optio
         t2 = clock.wall
         version += U
         gen.on_step(version, updates=U)
+        if spec.mode == "bounded":
+            gen.pump()  # the new version may let the controller admit more (the real thread wakes on it)
         if gen.needs_sync():
             gen.pause()
             for s in servers:

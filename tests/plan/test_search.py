@@ -8,7 +8,7 @@ def test_recommended_layouts_pass_m2po_config():
     res = plan(cfg, 16, top=3)
     assert res["ranked"] and res["layouts"] >= len(res["ranked"])
     tps = [c.predicted["tokens_per_s"] for c in res["ranked"]]
-    assert tps == sorted(tps, reverse=True) and all(t > 0 for t in tps)
+    assert all(b <= a * 1.01 for a, b in zip(tps, tps[1:])) and all(t > 0 for t in tps)  # equal to 3 figures: ties
     for c in res["ranked"]:
         assert c.layout.trainer_gpus + c.layout.rollout_gpus == 16
         assert c.memory_gb <= c.overrides["cluster.gpu_memory_gb"]
@@ -24,13 +24,15 @@ def test_plan_command_writes_the_best_layout_as_a_recipe_that_validates(tmp_path
     out = tmp_path / "overrides.yaml"
     p = subprocess.run([sys.executable, "-m", "m2po_megatron.cli", "plan", "recipes/paper/qwen3-8b-base.yaml",
                         "--gpus", "16", "--top", "2", "--out", str(out), "--format", "json",
-                        "staleness.mode=bounded", "staleness.max_staleness=8", "staleness.sync_interval=4"],
+                        "staleness.mode=bounded", "staleness.lag_steps=0", "staleness.behav_logprob_source=engine",
+                        "staleness.max_staleness=8",
+                        "staleness.sync_interval=4"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     best = doc["ranked"][0]
-    assert [r["predicted"]["tokens_per_s"] for r in doc["ranked"]] == sorted(
-        (r["predicted"]["tokens_per_s"] for r in doc["ranked"]), reverse=True)
+    tps = [r["predicted"]["tokens_per_s"] for r in doc["ranked"]]
+    assert all(b <= a * 1.01 for a, b in zip(tps, tps[1:])), tps  # best first (equal to 3 figures: smaller TPxPP)
     assert best["predicted"]["staleness_max"] <= 8  # the window holds in the simulation (the real controller)
     cfg = load_config(str(out), check_files=False)  # the written recipe extends the planned one and validates
     assert cfg.parallel.tensor_model_parallel_size == best["overrides"]["parallel.tensor_model_parallel_size"]
