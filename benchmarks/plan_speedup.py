@@ -53,7 +53,8 @@ def main() -> None:
     base = rows[0][1]
     co, rtp = colocated(args.recipe, args.gpus, args.gpu)
     print(f"{args.recipe} on {args.gpus} x {args.gpu}")
-    print("| mode | trainer GPUs | rollout | tokens/s | vs on_policy | vs colocated sync | idle T/R % | staleness mean |")
+    print("| mode | trainer GPUs | rollout | tokens/s | vs on_policy | vs colocated sync | idle T/R % | "
+          "staleness mean |")
     print("|---|---|---|---|---|---|---|---|")
     for label, tps, tr, ro, p in rows:
         print(f"| {label} | {tr} | {ro} | {tps:.0f} | {tps / base:.2f}x | {tps / co:.2f}x | "

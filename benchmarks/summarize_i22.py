@@ -101,14 +101,16 @@ def filtering(sweep: Path) -> None:
                 bad += 1
         gen = [steps(run)[-1]["samples/generated"] / len(steps(run)) for run in runs]
         wall = [sum(r["time/step"] for r in steps(run)) for run in runs]
-        line = f"{arm}: generated {statistics.fmean(gen):.0f} samples/step, training wall {statistics.fmean(wall):.0f} s"
+        line = (f"{arm}: generated {statistics.fmean(gen):.0f} samples/step, "
+                f"training wall {statistics.fmean(wall):.0f} s")
         fg = [r for r in rows if "filter_groups/dropped_frac" in r]
         if fg:
             line += (f", groups filtered {100 * statistics.fmean(r['filter_groups/dropped_frac'] for r in fg):.1f} %"
                      f" (per step min {100 * min(r['filter_groups/dropped_frac'] for r in fg):.0f}, max "
                      f"{100 * max(r['filter_groups/dropped_frac'] for r in fg):.0f})"
                      f", steps short of the batch {sum(r['filter_groups/unfilled_groups'] > 0 for r in fg)}"
-                     f" of {len(fg)} (rows without the metric: {len(rows) - len(fg)}), zero_variance dropped {sum(steps(run)[-1]['samples/dropped/zero_variance'] for run in runs)}")
+                     f" of {len(fg)} (rows without the metric: {len(rows) - len(fg)}), zero_variance dropped "
+                     f"{sum(steps(run)[-1]['samples/dropped/zero_variance'] for run in runs)}")
         print(line)
     print(f"accounting identity broken at {bad} steps")
     names = list(groups)

@@ -87,7 +87,8 @@ def assert_timeline(run: Path, steps: int, updates: int, ranks: int, groups: int
     procs = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
     servers = [v for v in procs.values() if v.startswith("rollout server :")]
     assert len(servers) == 1, procs  # the CPU engine's own part (M2PO_TRACE_DIR from the run)
-    assert sorted(v for v in procs.values() if v not in servers) == ["loop"] + [f"trainer rank {r}" for r in range(ranks)]
+    others = sorted(v for v in procs.values() if v not in servers)
+    assert others == ["loop"] + [f"trainer rank {r}" for r in range(ranks)]
     xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     by = lambda proc, name, tid=None: [e for e in xs if procs[e["pid"]] == proc and e["name"] == name  # noqa: E731
                                        and (tid is None or e["tid"] == tid)]

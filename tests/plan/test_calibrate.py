@@ -57,8 +57,8 @@ def build_run(tmp_path, steps=10):
         start = t + 0.2  # waiting
         phases, u = [], start + FIXED_S / 2 * (1 + ALPHA)
         for _ in range(U):
-            for name, w in (("logprob_pass", LP_PER_TOKEN * TOKENS / U), ("forward_backward", FB_PER_TOKEN * TOKENS / U),
-                            ("optimizer", OPT_S)):
+            for name, w in (("logprob_pass", LP_PER_TOKEN * TOKENS / U),
+                            ("forward_backward", FB_PER_TOKEN * TOKENS / U), ("optimizer", OPT_S)):
                 end = u + w * (1 + ALPHA)
                 phases.append((name, u, end))
                 u = end
@@ -121,8 +121,8 @@ def test_calibration_recovers_the_costs_and_the_contention(tmp_path):
     assert cal.prompt_len == pytest.approx(TOKENS / 256 - 19)
     assert Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))).costs == c
     got = measured(run, skip=2)
-    assert got["step_s"] == pytest.approx(sum(r["time/step"] for r in
-                                              map(json.loads, (run / "metrics.jsonl").read_text().splitlines()[2:])) / 8)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[2:]]
+    assert got["step_s"] == pytest.approx(sum(r["time/step"] for r in rows) / 8)
 
 
 def test_without_contention_the_fit_says_none(tmp_path, monkeypatch):

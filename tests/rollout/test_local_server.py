@@ -196,19 +196,24 @@ def test_pause_in_place_holds_requests_and_abort_mode_aborts(server):
         client.close()
 
 
-def _wait_state(url, ready, timeout=240):  # generous: a loaded CI machine starts requests slowly
-    """Poll the server's scheduler state (get_server_info's internal_states) until ready(state)."""
+def _wait_state(url, ready, timeout=240, gone=lambda: False):
+    """(timeout: generous, a loaded CI machine starts requests slowly.) Poll the server's scheduler state (get_server_info's internal_states) until ready(state), or until
+    gone() says the awaited state can no longer come (None then)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = json.loads(_http.request(f"{url}/get_server_info", api_key=KEY)[1])["internal_states"][0]
         if ready(state):
             return state
+        if gone():
+            return None
         time.sleep(0.05)
     raise TimeoutError(f"the server never reached the awaited state; last {state}")
 
 
-def _wait_running(url):
-    _wait_state(url, lambda s: s["running"] > 0)
+def _wait_running(url, fut=None):
+    """Until a request runs; or until `fut` is answered, since a short sample can start and finish between two
+    polls (the callers then try again)."""
+    _wait_state(url, lambda s: s["running"] > 0, gone=lambda: fut is not None and fut.done())
 
 
 def _submit_and_freeze(client, url, prompt, max_new_tokens=600, attempts=3):
@@ -217,7 +222,7 @@ def _submit_and_freeze(client, url, prompt, max_new_tokens=600, attempts=3):
     pause arrives, so try again then (the test checks the spans, not timing)."""
     for _ in range(attempts):
         fut = client.submit(prompt, {"max_new_tokens": max_new_tokens, "ignore_eos": True}, n=1)
-        _wait_running(url)
+        _wait_running(url, fut)
         client.pause("in_place")
         info = json.loads(_http.request(f"{url}/get_server_info", api_key=KEY)[1])["internal_states"][0]
         if info["running"] == 1 and not fut.done():
@@ -346,7 +351,7 @@ def test_update_outside_a_pause_waits_for_running_requests(server):
     client = SyncRolloutClient([server.url], api_key=KEY)
     try:
         fut = client.submit([3, 4], {"max_new_tokens": 400, "ignore_eos": True}, n=1)
-        _wait_running(server.url)
+        _wait_running(server.url, fut)
         status, _ = _post(server.url, "/begin_weight_update", {})
         state = json.loads(_http.request(f"{server.url}/get_server_info", api_key=KEY)[1])["internal_states"][0]
         assert status == 200 and state["running"] == 0  # begin could only return after the sample finished
