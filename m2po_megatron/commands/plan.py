@@ -71,6 +71,9 @@ def run(args) -> int:
         if isinstance(e, ConfigError):
             raise
         return _fail(str(e))
+    except (KeyError, TypeError, IndexError) as e:  # a trace.json or metrics.jsonl that m2po did not write
+        return _fail(f"{args.calibrate or args.target}: its timeline or metrics lack what a run writes ({e!r}); "
+                     "calibrate on a run of this version (trace.json with engine and trainer spans, metrics.jsonl)")
 
 
 def _load_calibration(path: str):

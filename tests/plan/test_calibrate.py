@@ -156,3 +156,7 @@ def test_plan_command_input_errors_exit_2(tmp_path):
     assert p.returncode == 2 and "no GPU efficiencies" in p.stderr
     p = m2po("recipes/paper/qwen3-8b-base.yaml", "--gpus", "12")
     assert p.returncode == 2 and "whole nodes" in p.stderr
+    (run / "trace.json").write_text(json.dumps({"traceEvents": [  # a decode span without its batch size
+        {"ph": "X", "pid": 1, "tid": "engine", "cat": "engine", "name": "decode", "ts": 1, "dur": 2}]}))
+    p = m2po("--calibrate", str(run))
+    assert p.returncode == 2 and "lack what a run writes" in p.stderr and "Traceback" not in p.stderr
