@@ -152,8 +152,10 @@ def test_on_policy_pp2(tiny_task, tmp_path):
 
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 def test_rollout_server_killed_mid_run(tiny_task, tmp_path):
+    # The kill lands after step 1 is logged; a step of this run takes a fraction of a second, so the run is
+    # long enough (20 steps) that it cannot end before the kill does, however fast the machine.
     args = overrides(tiny_task, tmp_path, "kill", "staleness.mode=bounded", "staleness.max_staleness=2",
-                     "train.steps=4", "rollout.max_restarts=2")
+                     "train.steps=20", "rollout.max_restarts=2")
     env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_AUTH_MODE="disabled", WANDB_MODE="disabled")
     proc = subprocess.Popen([sys.executable, "-m", "m2po_megatron.cli", "train", "tiny-cpu", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -164,7 +166,7 @@ def test_rollout_server_killed_mid_run(tiny_task, tmp_path):
         while not (metrics.exists() and steps(tmp_path / "kill")):
             assert proc.poll() is None, proc.stdout.read()[-5000:]
             assert time.monotonic() < deadline, "no training step within the time limit"
-            time.sleep(1)
+            time.sleep(0.05)
         pids = subprocess.run(["pgrep", "-f", f"rollout.local_server --model-path {tiny_task}"],
                               capture_output=True, text=True).stdout.split()
         assert len(pids) == 1, pids
@@ -175,7 +177,7 @@ def test_rollout_server_killed_mid_run(tiny_task, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-6000:]
     rows = steps(tmp_path / "kill")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == list(range(1, 21))
     assert max(r.get("rollout/server_restarts", 0) for r in rows) == 1
     assert all(r["staleness/max"] <= 2 for r in rows)
     assert_accounting(rows)
