@@ -55,14 +55,11 @@ def spans_per_step(run_dir: Path, skip: int) -> dict:
     from m2po_megatron.run.metrics import read_metrics
 
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "time/step" in r]
-    steps = [e for e in read_trace(run_dir)["traceEvents"] if e.get("ph") == "X" and e.get("tid") == "loop"
-             and e["name"] == "wait_rollout"]
-    steps.sort(key=lambda e: e["ts"])
+    spans = [e for e in read_trace(run_dir)["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted((e for e in spans if e.get("tid") == "loop" and e["name"] == "wait_rollout"), key=lambda e: e["ts"])
     if len(steps) <= skip or len(rows) <= skip:
         raise SystemExit(f"{run_dir}: needs more than {skip} steps")
-    t0 = steps[skip]["ts"]
-    t1 = max(e["ts"] + e["dur"] for e in read_trace(run_dir)["traceEvents"] if e.get("ph") == "X")
-    xs = [e for e in read_trace(run_dir)["traceEvents"] if e.get("ph") == "X" and t0 <= e["ts"] <= t1]
+    xs = [e for e in spans if e["ts"] >= steps[skip]["ts"]]
     n = len(rows) - skip
     step_s = statistics.fmean(r["time/step"] for r in rows[skip:])
     return {"spans_per_step": len(xs) / n, "step_s": step_s, "steps": n}
@@ -94,7 +91,7 @@ def main() -> None:
               f"(ratio {res['ab']['ratio']:.3f}; runs {on} / {off})", flush=True)
         run = run or tmp / "trace-true-0"
     if run is None:
-        rows = run_tiny(Path(args.task_dir), tmp, "trace-true-0", args.steps, 2, [])
+        run_tiny(Path(args.task_dir), tmp, "trace-true-0", args.steps, 2, [])
         run = tmp / "trace-true-0"
     s = spans_per_step(run, args.skip)
     cost = s["spans_per_step"] * res["us_per_span"]["complete"] / 1e6

@@ -13,6 +13,7 @@ takes with --calibration. The third puts what the simulation predicts for a fini
 run measured (calibrated on the run itself unless --calibration names another)."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ _SUMMARY = ("step_s", "wait_s", "train_s", "sync_s", "tokens_per_s", "steps_per_
 
 def register(sub) -> None:
     p = sub.add_parser("plan", help="size a cluster for a recipe from a simulation (and calibrate it on a run)",
-                       description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", nargs="?", default=None, metavar="RECIPE|RUN_DIR",
                    help="a recipe (a path or a name under recipes/) to plan, or a finished run to predict")
     p.add_argument("overrides", nargs="*", help="dotted overrides for the recipe, e.g. train.prompts_per_step=64")

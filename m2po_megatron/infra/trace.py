@@ -27,8 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-__all__ = ["TraceWriter", "close_trace", "complete", "flush", "merge_trace", "open_from_env", "open_trace", "read_trace",
-           "span", "trace_env", "DEFAULT_LIMIT"]
+__all__ = ["TraceWriter", "close_trace", "complete", "enabled", "flush", "merge_trace", "open_from_env", "open_trace",
+           "read_trace", "span", "trace_env", "DEFAULT_LIMIT"]
 
 DEFAULT_LIMIT = 20_000  # spans per category kept in full before sampling starts
 _FLUSH_EVERY = 256
@@ -142,6 +142,11 @@ def close_trace() -> None:
     if _writer is not None:
         _writer.close()
         _writer = None
+
+
+def enabled() -> bool:
+    """Whether this process has a writer open (for spans whose args cost something to compute)."""
+    return _writer is not None
 
 
 def flush() -> None:

@@ -64,7 +64,7 @@ class Calibration:
 
 # ---------------------------------------------------------------------------------------------- the timeline
 
-class _Busy:
+class _Intervals:
     """The union of one component's busy intervals (seconds), for overlap queries."""
 
     def __init__(self, intervals: list[tuple[float, float]]):
@@ -116,7 +116,7 @@ def run_spans(run_dir: str | Path) -> dict:
     return out
 
 
-def _work(a: float, b: float, others: list[_Busy], costs_speed) -> float:
+def _work(a: float, b: float, others: list[_Intervals], costs_speed) -> float:
     """Seconds of solo work in [a, b] for a component that was busy all along while `others` were busy as
     recorded: the integral of speed(1 + number of others busy)."""
     edges = [(a, 0)]
@@ -182,12 +182,12 @@ def calibrate(run_dir: str | Path, skip: int = DEFAULT_SKIP, cores: Optional[int
     if cores is None:
         cores = (os.cpu_count() or 1) if has_engine else 0
     servers = sorted({d[4] for d in spans["decode"]})
-    busy_server = {s: _Busy([(d[0], d[1]) for d in spans["decode"] + spans["prefill"] if d[-1] == s])
+    busy_server = {s: _Intervals([(d[0], d[1]) for d in spans["decode"] + spans["prefill"] if d[-1] == s])
                    for s in servers}
-    busy_rank = {r: _Busy(v) for r, v in spans["rank_busy"].items()}
+    busy_rank = {r: _Intervals(v) for r, v in spans["rank_busy"].items()}
     ranks = sorted(busy_rank)
 
-    def others_of(component: str) -> list[_Busy]:
+    def others_of(component: str) -> list[_Intervals]:
         return [b for k, b in {**busy_server, **busy_rank}.items() if k != component]
 
     rows = [r for r in read_metrics(rdir / "metrics.jsonl") if r["step"] > skip and "time/step" in r]

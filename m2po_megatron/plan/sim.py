@@ -17,8 +17,8 @@ The loop is train.py's order: take a batch (waiting as long as the generator mak
 Costs.train_s while the servers go on, step the version by updates_per_step, push weights when the generator
 asks, then the loop's own Costs.loop_fixed_s. On a host whose cores the trainer and the servers share
 (Costs.shared_cores, the CPU machine), every busy component runs at Costs.speed(number busy): the clock counts
-work and maps it to wall time between events. The staleness of a sample is the trainer version at its step minus its version, as in
-rollout/samples.build_step_batch.
+work and maps it to wall time between events. The staleness of a sample is the trainer version at its step
+minus its version, as in rollout/samples.build_step_batch.
 """
 from __future__ import annotations
 

@@ -232,18 +232,22 @@ class Engine:
         # Each decode step and prefill is a span of the run timeline (row "engine"): batch size and KV tokens
         # are what `m2po plan --calibrate` fits the server's cost model on.
         self.steps += 1
+        traced = trace.enabled()  # the spans' args walk the batch: only when a timeline is open
         if self.running:
-            b, kv = len(self.running), sum(len(s.prompt) + len(s.out) for s in self.running)
-            t0 = time.perf_counter()
+            if traced:
+                args = {"b": len(self.running), "kv": sum(len(s.prompt) + len(s.out) for s in self.running)}
+                t0 = time.perf_counter()
             self._decode()
-            trace.complete("decode", "engine", t0, time.perf_counter(), tid="engine", args={"b": b, "kv": kv})
+            if traced:
+                trace.complete("decode", "engine", t0, time.perf_counter(), tid="engine", args=args)
         room = self.max_running - len(self.running)
         if room > 0 and self.waiting:
             new = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
             t0 = time.perf_counter()
             self._prefill(new)
-            trace.complete("prefill", "engine", t0, time.perf_counter(), tid="engine",
-                           args={"seqs": len(new), "tokens": sum(len(s.prompt) + len(s.out) for s in new)})
+            if traced:
+                trace.complete("prefill", "engine", t0, time.perf_counter(), tid="engine",
+                               args={"seqs": len(new), "tokens": sum(len(s.prompt) + len(s.out) for s in new)})
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         # Fresh samples of one request share one prefill row; retracted ones carry their own output.

@@ -3,7 +3,8 @@ and each rollout server the fraction of the run it was busy, and where the loop'
 
 Busy is the union of a row's spans, so overlapping requests on one server count once: a server is busy while
 at least one request is in flight on it (the client's view; it does not see how full the server's batch
-is). The CPU server also traces its engine (`rollout server :PORT engine`): busy there is computing. The window is the first span's start to the last span's end over the whole run."""
+is). The CPU server also traces its engine (`rollout server :PORT engine`): busy there is computing. The
+window is the first span's start to the last span's end over the whole run."""
 from __future__ import annotations
 
 from collections import defaultdict

@@ -197,8 +197,9 @@ def test_pause_in_place_holds_requests_and_abort_mode_aborts(server):
 
 
 def _wait_state(url, ready, timeout=240, gone=lambda: False):
-    """(timeout: generous, a loaded CI machine starts requests slowly.) Poll the server's scheduler state (get_server_info's internal_states) until ready(state), or until
-    gone() says the awaited state can no longer come (None then)."""
+    """Poll the server's scheduler state (get_server_info's internal_states) until ready(state), or until
+    gone() says the awaited state can no longer come (None then). The timeout is generous: a loaded CI
+    machine starts requests slowly."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = json.loads(_http.request(f"{url}/get_server_info", api_key=KEY)[1])["internal_states"][0]
@@ -212,7 +213,7 @@ def _wait_state(url, ready, timeout=240, gone=lambda: False):
 
 def _wait_running(url, fut=None):
     """Until a request runs; or until `fut` is answered, since a short sample can start and finish between two
-    polls (the callers then try again)."""
+    polls (_submit_and_freeze then tries again; a caller that only needs the request done goes on)."""
     _wait_state(url, lambda s: s["running"] > 0, gone=lambda: fut is not None and fut.done())
 
 
