@@ -164,6 +164,80 @@ def _window(spans: dict, skip: int) -> tuple[float, float]:
     return start, steps[-1][1]
 
 
+@dataclass
+class _Timeline:
+    """What calibration reads off a run, inside its window: the engine's decode and prefill spans, rank 0's
+    train steps and per-update phases (each forward_backward / logprob_pass with the tokens it covered: the
+    step's, split evenly over its updates), and every component's busy intervals."""
+
+    decode: list
+    prefill: list
+    steps: list
+    phases: list
+    tokens_of: dict
+    tokens: int
+    updates: int
+    syncs: list
+    rank: Optional[str]
+    busy: dict  # component (server or rank) -> _Intervals
+
+    def others(self, component: str) -> list[_Intervals]:
+        return [b for k, b in self.busy.items() if k != component]
+
+
+def _timeline(rdir: Path, spans: dict, window: tuple[float, float], rows: list[dict], skip: int) -> _Timeline:
+    lo, hi = window
+    inside = lambda s: s[0] >= lo and s[1] <= hi  # noqa: E731
+    busy = {s: _Intervals([(d[0], d[1]) for d in spans["decode"] + spans["prefill"] if d[-1] == s])
+            for s in sorted({d[4] for d in spans["decode"]})}
+    busy.update({r: _Intervals(v) for r, v in spans["rank_busy"].items()})
+    rank = min(spans["rank_busy"], default=None)
+    tokens_at = {r["step"]: r.get("batch/tokens", 0) for r in rows}  # the span's step counts from 0, metrics from 1
+    step_tokens = lambda s: tokens_at.get(int(s[2].get("step", -2)) + 1, 0)  # noqa: E731
+    steps = [s for s in spans["loop"].get("train_step", []) if inside(s)]
+    phases = [p for p in spans["phases"] if p[3] == rank and inside(p)]
+    tokens_of = {}
+    for s in steps:
+        inner = [p for p in phases if s[0] <= p[0] and p[1] <= s[1]]
+        for name in ("forward_backward", "logprob_pass"):
+            mine = [p for p in inner if p[2] == name]
+            tokens_of.update({p: step_tokens(s) / len(mine) for p in mine})
+    tl = _Timeline(decode=[d for d in spans["decode"] if inside(d)], prefill=[p for p in spans["prefill"] if inside(p)],
+                   steps=steps, phases=phases, tokens_of=tokens_of, tokens=sum(step_tokens(s) for s in steps),
+                   updates=sum(1 for p in phases if p[2] == "optimizer"),
+                   syncs=[s for s in spans["loop"].get("weight_sync", []) if inside(s)], rank=rank, busy=busy)
+    if not tl.steps or not tl.tokens or not tl.updates:
+        raise ValueError(f"{rdir}: the timeline has no complete train steps with trainer phases after step {skip}")
+    return tl
+
+
+def _fit_contention(tl: _Timeline, base: Costs) -> tuple[float, list[float], Optional[float]]:
+    """The contention under which the decode steps and the trainer's per-token phases fit their linear costs
+    best: both slow down while the other computes (a grid over [0, 2]; each kind's relative error weighs the
+    same). Returns (contention, the decode fit's [fixed, per sequence, per KV token], RMS relative error)."""
+    import dataclasses
+
+    grid = [i / 50 for i in range(101)] if base.shared_cores else [0.0]
+    best = (math.inf, 0.0, [0.0, 0.0, 0.0])
+    errs: list[float] = []
+    for alpha in grid:
+        speed = dataclasses.replace(base, contention=alpha).speed
+        errs, coef = [], [0.0, 0.0, 0.0]
+        if tl.decode:
+            y = [_work(t0, t1, tl.others(s), speed) for t0, t1, _, _, s in tl.decode]
+            coef, err = _lsq([[1.0, b, kv] for _, _, b, kv, _ in tl.decode], y)
+            errs.append(err)
+        for name in ("forward_backward", "logprob_pass"):
+            mine = [p for p in tl.tokens_of if p[2] == name and tl.tokens_of[p] > 0]
+            if mine:
+                errs.append(_lsq([[tl.tokens_of[p]] for p in mine],
+                                 [_work(p[0], p[1], tl.others(tl.rank), speed) for p in mine])[1])
+        err = statistics.fmean(e * e for e in errs) if errs else 0.0
+        if err < best[0]:
+            best = (err, alpha, coef)
+    return best[1], best[2], (round(math.sqrt(best[0]), 4) if errs else None)
+
+
 def calibrate(run_dir: str | Path, skip: int = DEFAULT_SKIP, cores: Optional[int] = None) -> Calibration:
     """Fit a Costs on RUN_DIR (see the module's docstring). `cores`: the host's cores when the trainer and the
     servers shared them (default: this machine's, for a run of the CPU server; 0 for a GPU run)."""
@@ -175,92 +249,37 @@ def calibrate(run_dir: str | Path, skip: int = DEFAULT_SKIP, cores: Optional[int
     rdir = Path(run_dir)
     cfg = load_config(rdir / "config.yaml", check_files=False)
     spans = run_spans(rdir)
-    lo, hi = _window(spans, skip)
-    inside = lambda t0, t1: t0 >= lo and t1 <= hi  # noqa: E731
-    decode = [d for d in spans["decode"] if inside(d[0], d[1])]
-    has_engine = bool(decode)
-    if cores is None:
-        cores = (os.cpu_count() or 1) if has_engine else 0
-    servers = sorted({d[4] for d in spans["decode"]})
-    busy_server = {s: _Intervals([(d[0], d[1]) for d in spans["decode"] + spans["prefill"] if d[-1] == s])
-                   for s in servers}
-    busy_rank = {r: _Intervals(v) for r, v in spans["rank_busy"].items()}
-    ranks = sorted(busy_rank)
-
-    def others_of(component: str) -> list[_Intervals]:
-        return [b for k, b in {**busy_server, **busy_rank}.items() if k != component]
-
+    window = _window(spans, skip)
     rows = [r for r in read_metrics(rdir / "metrics.jsonl") if r["step"] > skip and "time/step" in r]
     if not rows:
         raise ValueError(f"{rdir / 'metrics.jsonl'} has no training step after the first {skip}")
+    tl = _timeline(rdir, spans, window, rows, skip)
+    if cores is None:
+        cores = (os.cpu_count() or 1) if tl.decode else 0
     base = Costs(train_fixed_s=0.0, train_per_update_s=0.0, train_per_token_s=0.0, logprob_per_token_s=0.0,
                  decode_fixed_s=0.0, decode_per_seq_s=0.0, decode_per_kv_s=0.0, prefill_per_token_s=0.0,
                  max_running=CPU_MAX_RUNNING, sync_fixed_s=0.0, sync_per_byte_s=0.0, weight_bytes=0.0,
                  shared_cores=cores)
-    fit: dict = {"skip": skip, "steps": len(rows), "decode_spans": len(decode), "cores": cores}
-
-    # the steps in the window, with the trainer phases inside each (rank 0's) and the step's tokens
-    by_step = {r["step"]: r.get("batch/tokens", 0) for r in rows}  # the span's step counts from 0, metrics from 1
-    steps = [s for s in spans["loop"].get("train_step", []) if inside(s[0], s[1])]
-    rank = ranks[0] if ranks else None
-    phases = [p for p in spans["phases"] if p[3] == rank and inside(p[0], p[1])]
-    tokens_of = {}  # phase span -> the tokens it covered (the step's, split evenly over its updates)
-    for s0, s1, args in steps:
-        inner = [p for p in phases if s0 <= p[0] and p[1] <= s1]
-        tok = by_step.get(int(args.get("step", -2)) + 1, 0)
-        for name in ("forward_backward", "logprob_pass"):
-            mine = [p for p in inner if p[2] == name]
-            tokens_of.update({p: tok / len(mine) for p in mine})
-    n_opt = sum(1 for p in phases if p[2] == "optimizer")
-    tokens = sum(by_step.get(int(s[2].get("step", -2)) + 1, 0) for s in steps)
-    if not steps or not tokens or not n_opt:
-        raise ValueError(f"{rdir}: the timeline has no complete train steps with trainer phases after step {skip}")
-
-    # the contention under which the decode steps and the trainer's per-token phases fit their linear costs
-    # best: both slow down while the other computes (a grid; each kind's relative error weighs the same)
-    others = {c: others_of(c) for c in [*servers, *ranks]}
-    grid = [i / 50 for i in range(101)] if cores else [0.0]
-    best = (math.inf, 0.0, [0.0, 0.0, 0.0])
-    for alpha in grid:
-        speed = dataclasses.replace(base, contention=alpha).speed
-        errs = []
-        if has_engine:
-            y = [_work(t0, t1, others[s], speed) for t0, t1, _, _, s in decode]
-            coef, err = _lsq([[1.0, b, kv] for _, _, b, kv, _ in decode], y)
-            errs.append(err)
-        else:
-            coef = [0.0, 0.0, 0.0]
-        for name in ("forward_backward", "logprob_pass"):
-            mine = [p for p in tokens_of if p[2] == name and tokens_of[p] > 0]
-            if mine:
-                errs.append(_lsq([[tokens_of[p]] for p in mine], [_work(p[0], p[1], others[rank], speed)
-                                                                  for p in mine])[1])
-        err = statistics.fmean(e * e for e in errs) if errs else 0.0
-        if err < best[0]:
-            best = (err, alpha, coef)
-    alpha = best[1]
-    fit["rms_rel_error"] = round(math.sqrt(best[0]), 4) if errs else None
+    alpha, decode_coef, rms = _fit_contention(tl, base)
     costs = dataclasses.replace(base, contention=alpha)
-    work = lambda t0, t1, comp: _work(t0, t1, others_of(comp), costs.speed)  # noqa: E731
-    prefill = [p for p in spans["prefill"] if inside(p[0], p[1])]
-    pre_tokens = sum(p[2] for p in prefill)
-    prefill_s = sum(work(p[0], p[1], p[3]) for p in prefill) / pre_tokens if pre_tokens else 0.0
-    per = {name: sum(work(p[0], p[1], rank) for p in phases if p[2] == name)
+    # every other figure is work, not wall time: a span's time less the slowdown from what overlapped it
+    work = lambda t0, t1, comp: _work(t0, t1, tl.others(comp), costs.speed)  # noqa: E731
+    pre_tokens = sum(p[2] for p in tl.prefill)
+    per = {name: sum(work(p[0], p[1], tl.rank) for p in tl.phases if p[2] == name)
            for name in ("forward_backward", "logprob_pass", "optimizer")}
-    train_work = sum(work(s[0], s[1], rank) for s in steps)
-    fixed = (train_work - sum(per.values())) / len(steps)
-    sync = [s for s in spans["loop"].get("weight_sync", []) if inside(s[0], s[1])]
+    fixed = (sum(work(s[0], s[1], tl.rank) for s in tl.steps) - sum(per.values())) / len(tl.steps)
     mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in rows)  # noqa: E731
     loop_s = max(0.0, mean("time/step") - mean("time/wait_rollout") - mean("time/train") - mean("time/weight_sync"))
     costs = dataclasses.replace(
-        costs, train_fixed_s=max(fixed, 0.0), train_per_update_s=per["optimizer"] / n_opt,
-        train_per_token_s=per["forward_backward"] / tokens, logprob_per_token_s=per["logprob_pass"] / tokens,
-        decode_fixed_s=best[2][0], decode_per_seq_s=best[2][1], decode_per_kv_s=best[2][2],
-        prefill_per_token_s=prefill_s,
-        sync_fixed_s=statistics.fmean(s[1] - s[0] for s in sync) if sync else 0.0, loop_fixed_s=loop_s,
+        costs, train_fixed_s=max(fixed, 0.0), train_per_update_s=per["optimizer"] / tl.updates,
+        train_per_token_s=per["forward_backward"] / tl.tokens, logprob_per_token_s=per["logprob_pass"] / tl.tokens,
+        decode_fixed_s=decode_coef[0], decode_per_seq_s=decode_coef[1], decode_per_kv_s=decode_coef[2],
+        prefill_per_token_s=sum(work(p[0], p[1], p[3]) for p in tl.prefill) / pre_tokens if pre_tokens else 0.0,
+        sync_fixed_s=statistics.fmean(s[1] - s[0] for s in tl.syncs) if tl.syncs else 0.0, loop_fixed_s=loop_s,
         source=f"calibrated on {rdir} (steps after {skip})")
-    fit.update({"contention": alpha, "train_steps": len(steps), "updates": n_opt, "syncs": len(sync),
-                "prefill_spans": len(prefill)})
+    fit = {"skip": skip, "steps": len(rows), "decode_spans": len(tl.decode), "cores": cores, "rms_rel_error": rms,
+           "contention": alpha, "train_steps": len(tl.steps), "updates": tl.updates, "syncs": len(tl.syncs),
+           "prefill_spans": len(tl.prefill)}
     lens = [(r["response_length/mean"], r.get("response_length/std", 0.0)) for r in rows
             if "response_length/mean" in r]
     m = statistics.fmean(x for x, _ in lens)
