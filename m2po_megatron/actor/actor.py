@@ -26,8 +26,9 @@ from m2po_megatron.infra.device import device
 from . import checkpoint
 from .batch import TrainBatch
 from .fused_logprobs import output_layer_log_probs
-from .grad_norm import use_fused_grad_norm
+from .global_mask import behav_and_advantages, m2po_keep_masks
 from .metrics import StepTimes, combine_updates, read_step_values, reduce_minibatch
+from .optim import build_optimizer, wrap_ddp
 from .packing import (
     MicroBatch,
     model_inputs,
@@ -163,11 +164,13 @@ class MegatronActor:
             src = hf_path
         if src is not None:
             checkpoint.load_initial_weights(chunks, src, self.spec)
-        self._wrap_ddp(chunks)
-        self._build_optimizer(
+        self.model = wrap_ddp(chunks, self.config, self.use_distributed_optimizer)
+        self.opt_config, self.optimizer, self.scheduler = build_optimizer(
+            self.model, self.config, self.precision.params_dtype,
             dict(optimizer=optimizer, lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=adam_beta1,
                  adam_beta2=adam_beta2, adam_eps=adam_eps, clip_grad=clip_grad),
-            warmup_updates=warmup_updates, lr_decay_steps=lr_decay_steps, lr_schedule=lr_schedule)
+            use_distributed_optimizer=self.use_distributed_optimizer, warmup_updates=warmup_updates,
+            lr_decay_steps=lr_decay_steps, lr_schedule=lr_schedule)
 
     # ------------------------------------------------------------------ construction
     def _resolve_machine(self, attention_backend, sequence_parallel, params_dtype, fp8, fp8_recipe) -> None:
@@ -222,40 +225,6 @@ class MegatronActor:
         if self.pp_size > 1:
             self.config.variable_seq_lengths = False
         return chunks
-
-    def _wrap_ddp(self, chunks: list) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
-            use_distributed_optimizer=self.use_distributed_optimizer, check_for_nan_in_grad=True,
-            bucket_size=None)
-        self.model = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=c) for c in chunks]
-
-    def _build_optimizer(self, optim: dict, *, warmup_updates: int, lr_decay_steps: Optional[int],
-                         lr_schedule: str) -> None:
-        """Megatron's optimizer over the DDP chunks and its scheduler, stepped once per optimizer update."""
-        from megatron.core.distributed import finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        bf16 = self.precision.params_dtype == "bf16"
-        self.opt_config = OptimizerConfig(
-            **optim, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-            use_distributed_optimizer=self.use_distributed_optimizer)
-        self.optimizer = get_megatron_optimizer(self.opt_config, self.model)
-        use_fused_grad_norm(self.optimizer)  # one multi-tensor norm and one host read per update
-        lr, min_lr, wd = optim["lr"], optim["min_lr"], optim["weight_decay"]
-        decay_steps = int(lr_decay_steps or max(1, warmup_updates) + 1)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if warmup_updates else lr, max_lr=lr, min_lr=min_lr,
-            lr_warmup_steps=int(warmup_updates), lr_decay_steps=max(decay_steps, int(warmup_updates) + 1),
-            lr_decay_style=lr_schedule, start_wd=wd, end_wd=wd,
-            wd_incr_steps=max(1, decay_steps), wd_incr_style="constant")
-
-        self.config.no_sync_func = self.model[0].no_sync
-        self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.grad_scale_func = self.optimizer.scale_loss
 
     # ------------------------------------------------------------------ weights
     def _unwrapped(self) -> list:
@@ -429,7 +398,7 @@ class MegatronActor:
         def loss_fn(mb: MicroBatch, model_out):
             logp, ent = self._token_logps(mb, model_out, with_entropy=True)
             dev = logp.device
-            behav, adv, weights = _behav_and_advantages(mb_batch, mb, dev)
+            behav, adv, weights = behav_and_advantages(mb_batch, mb, dev)
             seq_ids = to_device(mb.response_seq_ids(), dev)
             mask = torch.ones_like(logp, dtype=torch.bool) if weights is None else weights > 0
             kw = dict(self.loss_kwargs)
@@ -493,9 +462,7 @@ class MegatronActor:
     @torch.no_grad()  # megatron's forward_only does not disable autograd; without this it keeps the graph
     def _global_keep_masks(self, mb_batch: TrainBatch, shard: list[int], mbs: list[MicroBatch]):
         """No-grad forward at the current weights, then the M2PO mask over the whole mini-batch across DP
-        ranks (algo.distributed). Returns ({id(micro-batch): keep[R_mb]}, stats)."""
-        from m2po_megatron.algo import distributed as algo_dist
-
+        ranks (actor.global_mask). Returns ({id(micro-batch): keep[R_mb]}, stats)."""
         cur: dict[int, torch.Tensor] = {}
 
         def loss_fn(mb, model_out):
@@ -507,17 +474,7 @@ class MegatronActor:
         self._run(mbs, loss_fn, forward_only=True)
         if not self.is_last_stage:
             return {}, {}
-        log_ratios, advs, masks = [], [], []
-        for mb in mbs:
-            behav, adv, weights = _behav_and_advantages(mb_batch, mb, cur[id(mb)].device)
-            log_ratios.append(cur[id(mb)] - behav)
-            advs.append(adv)
-            masks.append(torch.ones_like(log_ratios[-1], dtype=torch.bool) if weights is None else weights > 0)
-        res = algo_dist.global_m2po_keep_masks(log_ratios, advs, masks, tau=self.m2po_tau, rule=self.m2po_rule,
-                                               scope="minibatch", group=self.dp_group)
-        stats = {"m2po_global/num_trust_region": res.num_trust_region, "m2po_global/num_dropped": res.num_dropped,
-                 "m2po_global/m2_before": res.m2_before, "m2po_global/m2_after": res.m2_after}
-        return {id(mb): k for mb, k in zip(mbs, res.keep_masks)}, stats
+        return m2po_keep_masks(mb_batch, mbs, cur, tau=self.m2po_tau, rule=self.m2po_rule, dp_group=self.dp_group)
 
     def _three_policy(self, batch: TrainBatch) -> tuple[TrainBatch, dict]:
         """The proximal pass (no grad, the step's starting weights, shared by every rank), then the batch the
@@ -542,13 +499,3 @@ class MegatronActor:
         if self.ps.model_parallel_is_initialized():
             self.ps.destroy_model_parallel()
 
-
-def _behav_and_advantages(batch: TrainBatch, mb: MicroBatch, dev):
-    """The behaviour log-probs, per-token advantages and loss weights (None without them) of `mb`'s response
-    tokens, fp32 on `dev`: stacked on the host, one non-blocking copy."""
-    rows = [torch.cat([batch.behav_log_probs[i].float() for i in mb.seq_index]),
-            torch.cat([batch.token_advantages(i) for i in mb.seq_index])]
-    if batch.loss_weights is not None:
-        rows.append(torch.cat([batch.loss_weights[i].float() for i in mb.seq_index]))
-    out = tuple(to_device(torch.stack(rows), dev))
-    return out if len(out) == 3 else (*out, None)
