@@ -498,4 +498,3 @@ class MegatronActor:
         """Drop Megatron's parallel state (the process group stays, so another actor can be built)."""
         if self.ps.model_parallel_is_initialized():
             self.ps.destroy_model_parallel()
-

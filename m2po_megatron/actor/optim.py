@@ -9,8 +9,8 @@ from .grad_norm import use_fused_grad_norm
 
 
 def wrap_ddp(chunks: list, config, use_distributed_optimizer: bool) -> list:
-    """megatron-core's DDP around each bare chunk: fp32 gradient reduction, no overlap (the step's phases are
-    timed one after another), NaN check on the gradients."""
+    """megatron-core's DDP around each bare chunk: gradients reduced in fp32, without overlapping compute,
+    checked for NaN."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
