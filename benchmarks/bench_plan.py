@@ -8,7 +8,7 @@ and sync interval, updates per step, the number of servers and the response leng
 `--steps` steps (evaluation and checkpoints off); the first `--skip` are left out of both the measurement and
 the prediction. The goal: step time and throughput within 15 %, mean staleness within 1 update.
 
-This machine's speed wanders by 10-20 % from one minute to the next, so one run of a configuration against one
+This machine's speed wanders by 10-30 % from one minute to the next, so one run of a configuration against one
 run of another measures the machine as much as the model. The measurement is therefore made in `--rounds`
 rounds: each round runs the calibration configuration, calibrates on that one run, then runs every predicted
 configuration in an order shuffled per round (seeded), each predicted from that round's calibration. A

@@ -180,9 +180,13 @@ class _Timeline:
     syncs: list
     rank: Optional[str]
     busy: dict  # component (server or rank) -> _Intervals
+    _others: dict = field(init=False, repr=False)
+
+    def __post_init__(self):  # the contention grid asks for them once per span per grid point
+        self._others = {c: [b for k, b in self.busy.items() if k != c] for c in self.busy}
 
     def others(self, component: str) -> list[_Intervals]:
-        return [b for k, b in self.busy.items() if k != component]
+        return self._others.get(component, list(self.busy.values()))
 
 
 def _timeline(rdir: Path, spans: dict, window: tuple[float, float], rows: list[dict], skip: int) -> _Timeline:
