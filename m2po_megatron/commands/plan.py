@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 _SUMMARY = ("step_s", "wait_s", "train_s", "sync_s", "tokens_per_s", "steps_per_hour", "staleness_mean",
             "staleness_max")
@@ -137,6 +138,17 @@ def _efficiency(cal, gpu: str) -> dict:
                          mean_context=ctx, has_engine=cal.fit.get("decode_spans", 0) > 0)
 
 
+def summary_error(key: str, predicted: float, measured: float, step_s: float) -> Optional[float]:
+    """Staleness: predicted - measured, in updates. Otherwise predicted / measured - 1, except for a part of
+    the step (wait_s, train_s, sync_s) that measured under 1 % of the step: None, since its relative error is
+    noise (a run that never waits measures a few tenths of a millisecond of wait)."""
+    if key.startswith("staleness"):
+        return predicted - measured
+    if key in ("wait_s", "train_s", "sync_s") and abs(measured) < 0.01 * step_s:
+        return None
+    return predicted / measured - 1 if measured else None
+
+
 def _predict_run(args) -> int:
     from m2po_megatron.config import load_config
     from m2po_megatron.plan.calibrate import calibrate, measured, predict
@@ -145,9 +157,8 @@ def _predict_run(args) -> int:
     cfg = load_config(Path(args.target) / "config.yaml", check_files=False)
     got = measured(args.target, skip=args.skip)
     pred = predict(cfg, cal, steps=args.steps, skip=args.skip)
-    rows = {k: {"predicted": pred[k], "measured": got[k],
-                "error": (pred[k] - got[k]) if k.startswith("staleness") else
-                (pred[k] / got[k] - 1 if got[k] else None)} for k in _SUMMARY}
+    rows = {k: {"predicted": pred[k], "measured": got[k], "error": summary_error(k, pred[k], got[k], got["step_s"])}
+            for k in _SUMMARY}
     doc = {"run_dir": args.target, "calibrated_on": cal.run_dir, "summary": rows,
            "predicted_idle": {"trainer": pred["trainer_idle_frac"], "rollout": pred["rollout_idle_frac"]}}
     if args.format == "json":

@@ -1,4 +1,6 @@
 """plan/search.py on a paper recipe: every recommended layout passes the config's own validation."""
+import pytest
+
 from m2po_megatron.config import load_config
 from m2po_megatron.plan.search import plan
 
@@ -40,3 +42,14 @@ def test_plan_command_writes_the_best_layout_as_a_recipe_that_validates(tmp_path
     assert cfg.staleness.sync_interval == best["overrides"]["staleness.sync_interval"]
     assert cfg.run.name == "qwen3-8b-base"  # the recipe's own fields
     assert cfg.staleness.mode == "bounded" and cfg.staleness.max_staleness == 8  # and the command line's
+
+
+def test_predicted_against_measured_errors():
+    from m2po_megatron.commands.plan import summary_error
+
+    assert summary_error("step_s", 0.9, 0.8, 0.8) == pytest.approx(0.125)
+    assert summary_error("staleness_mean", 3.5, 4.0, 0.8) == pytest.approx(-0.5)  # updates, not relative
+    # a part of the step that measured next to nothing has no meaningful relative error
+    assert summary_error("wait_s", 0.0, 0.0004, 0.83) is None
+    assert summary_error("wait_s", 0.30, 0.25, 0.83) == pytest.approx(0.2)
+    assert summary_error("tokens_per_s", 1.0, 0.0, 0.8) is None
