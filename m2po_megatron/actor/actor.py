@@ -183,8 +183,11 @@ class MegatronActor:
             raise ValueError("sequence_parallel=True needs the Transformer Engine layer spec (attention_backend "
                              "'te' on a GPU): megatron-core's local layers use torch norms, which refuse sequence "
                              "parallelism; set sequence_parallel=False")
-        self.precision = resolve_precision(params_dtype, fp8, fp8_recipe, cuda=cuda, te_available=te,
-                                           compute_capability=cc)
+        from m2po_megatron.infra.device import rehearsing
+
+        # a rehearsal (m2po rehearse) traces the GPU's bf16 on fake CPU tensors
+        self.precision = resolve_precision(params_dtype, fp8, fp8_recipe, cuda=cuda or rehearsing(),
+                                           te_available=te, compute_capability=cc)
         if self.precision.fp8 and self.attention_backend != "te":
             raise ValueError(f"fp8 runs on Transformer Engine layers: set attention_backend='te' (or 'auto'), "
                              f"not {attention_backend!r}")

@@ -18,6 +18,20 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+_rehearsal = False
+
+
+def set_rehearsal(on: bool) -> None:
+    """m2po rehearse: this process traces a GPU rank on fake CPU tensors (m2po_megatron.rehearse). The one thing
+    it changes: the actor accepts the GPU's bf16 params without CUDA (no bf16 arithmetic runs on fake tensors)."""
+    global _rehearsal
+    _rehearsal = bool(on)
+
+
+def rehearsing() -> bool:
+    return _rehearsal
+
+
 def dist_backend() -> str:
     return "nccl" if has_cuda() else "gloo"
 

@@ -88,8 +88,8 @@ def param_count(hf_config: dict) -> int:
     return s.layers * (split + rep) + emb * (1 if s.tied else 2) + s.hidden
 
 
-def _stage_params(s: ModelShape, tp: int, pp: int) -> tuple[float, float]:
-    """(params, linear params) on one TP rank of the heaviest pipeline stage."""
+def _stage_params(s: ModelShape, tp: int, pp: int, stage: Optional[int] = None) -> tuple[float, float]:
+    """(params, linear params) on one TP rank of pipeline stage `stage` (None: the heaviest)."""
     split, rep = layer_params(s)
     per_stage = s.layers // pp
     body = per_stage * (split / tp + rep)
@@ -99,6 +99,9 @@ def _stage_params(s: ModelShape, tp: int, pp: int) -> tuple[float, float]:
     if pp == 1:
         extra = emb * (1 if s.tied else 2) + s.hidden
         lin_extra = 0 if s.tied else emb
+    elif stage is not None and stage < pp - 1:
+        extra = emb if stage == 0 else 0.0  # the input embedding (a lookup, not a linear layer)
+        lin_extra = 0.0
     else:
         extra = emb + s.hidden  # the last stage is the heavier of the two ends
         lin_extra = emb
@@ -180,8 +183,8 @@ def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = F
 
 
 def _layer_activation_bytes(s: ModelShape, tp: int, sp: bool, fp8: bool, backend: str, row_tokens: int,
-                            recompute: Optional[str], act_bytes: int) -> float:
-    act, fp8b, f32 = layer_saved_elements(s, tp, sp, fp8, backend, row_tokens, recompute)
+                            recompute: Optional[str], act_bytes: int, cuda_kernels: bool = True) -> float:
+    act, fp8b, f32 = layer_saved_elements(s, tp, sp, fp8, backend, row_tokens, recompute, cuda_kernels)
     return act * act_bytes + fp8b + 4 * f32
 
 
@@ -230,12 +233,21 @@ def estimate_gpu_memory(
     microbatches_in_flight: Optional[int] = None,
     overhead_gb: float = 4.0,
     attention_backend: str = "sdpa",
+    pipeline_stage: Optional[int] = None,
+    cuda_kernels: bool = True,
+    foreach_adam: bool = True,
 ) -> dict[str, float]:
     """Estimated peak memory of one trainer GPU in GiB: weights, grads, optimizer, activations, logits,
     optimizer_step, overhead and total. `micro_batch_tokens` (required: the recipe's train.micro_batch_tokens)
     is the packed token budget of one micro-batch (split across context parallel ranks); `recompute` is Megatron's recompute_granularity (None,
     "selective", "full"); `attention_backend` the resolved backend ("te", "sdpa", "local").
     `microbatches_in_flight` defaults to the pipeline depth (1F1B keeps up to PP micro-batches on stage 0).
+    `pipeline_stage` (0 .. PP-1) estimates that stage: its own parameters, PP - stage micro-batches in flight
+    (capped by microbatches_in_flight when given), and the output layer and log-probs only on the last stage;
+    None (the default) the worst case: the heaviest stage's parameters with stage 0's micro-batches in flight
+    and the last stage's extras. `cuda_kernels` (layer_saved_elements): False for what the CPU's kernels save
+    (m2po rehearse traces them). `foreach_adam`: torch's foreach AdamW temporary (False: its single-tensor
+    kernel, which a CPU runs, makes none worth counting).
     """
     tp, pp, dp, cp = (int(tensor_model_parallel_size), int(pipeline_model_parallel_size),
                       int(data_parallel_size), int(context_parallel_size))
@@ -257,7 +269,9 @@ def estimate_gpu_memory(
     if s.layers % pp:
         raise ValueError(f"pipeline_model_parallel_size = {pp} must divide num_hidden_layers = {s.layers}")
 
-    p_rank, p_linear = _stage_params(s, tp, pp)
+    if pipeline_stage is not None and not 0 <= pipeline_stage < pp:
+        raise ValueError(f"pipeline_stage = {pipeline_stage} must be in [0, {pp})")
+    p_rank, p_linear = _stage_params(s, tp, pp, pipeline_stage)
     pbytes = BYTES[params_dtype]
     mixed = pbytes < 4
     weights = p_rank * pbytes + (p_linear if fp8 else 0)
@@ -270,9 +284,12 @@ def estimate_gpu_memory(
     tokens = micro_batch_tokens / cp
     sp_div = tp if sequence_parallel else 1
     per_layer = _layer_activation_bytes(s, tp, sequence_parallel, fp8, attention_backend, int(tokens),
-                                        None if recompute == "full" else recompute, pbytes)
+                                        None if recompute == "full" else recompute, pbytes, cuda_kernels)
     layers_stage = s.layers // pp
     in_flight = microbatches_in_flight if microbatches_in_flight is not None else pp
+    if pipeline_stage is not None:
+        in_flight = min(in_flight, pp - pipeline_stage)
+    last = pipeline_stage is None or pipeline_stage == pp - 1
     if recompute == "full":
         # only each layer's input is kept; one layer's activations are rebuilt at a time
         act = tokens * (layers_stage * in_flight * pbytes * s.hidden / sp_div + per_layer)
@@ -281,11 +298,13 @@ def estimate_gpu_memory(
     # outside the layers (last stage, one micro-batch): the final norm's input (its output, the fused log-prob
     # op's input, is kept only at the response rows: counted in logprob_bytes), the token ids, the dense mask
     # of the local backend
-    act += tokens * (s.hidden * pbytes / sp_div + 4 / sp_div + 8 + (tokens if attention_backend == "local" else 0))
+    if last:
+        act += tokens * (s.hidden * pbytes / sp_div + 4 / sp_div + 8 + (tokens if attention_backend == "local" else 0))
     # the last stage's fused output layer + log-probs (every row counted as a response row: an upper bound)
-    logits = sum(logprob_bytes(s, tokens, tp, pbytes))
+    logits = sum(logprob_bytes(s, tokens, tp, pbytes)) if last else 0.0
     # torch's foreach AdamW (no TE/Apex): one fp32 temporary per (sharded) parameter during the step
-    step = 4 * p_rank / (dp * cp if use_distributed_optimizer else 1) if attention_backend != "te" else 0.0
+    foreach = foreach_adam and attention_backend != "te"
+    step = 4 * p_rank / (dp * cp if use_distributed_optimizer else 1) if foreach else 0.0
 
     out = {
         "weights": weights / GiB,

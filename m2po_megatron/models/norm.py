@@ -12,12 +12,15 @@ from __future__ import annotations
 
 def norms_to_params_dtype(model, params_dtype) -> int:
     """Cast every torch.nn.RMSNorm / LayerNorm weight (and bias) of `model` to params_dtype, in place (the
-    Parameter objects stay, so attributes megatron set on them survive). Returns how many norms were cast."""
+    Parameter objects stay, so attributes megatron set on them survive). Returns how many norms were cast.
+    Through `.data`, not Module.to: under fake tensors (m2po rehearse) `to` swaps tensors, which a fake
+    parameter refuses."""
     import torch
 
     n = 0
     for m in model.modules():
         if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
-            m.to(dtype=params_dtype)
+            for p in m.parameters(recurse=False):
+                p.data = p.data.to(dtype=params_dtype)
             n += 1
     return n

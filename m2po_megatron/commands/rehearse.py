@@ -1,0 +1,108 @@
+"""`m2po rehearse RECIPE [overrides]`: one training step of the recipe at full size on fake tensors.
+
+Builds the recipe's trainer (the same MegatronActor `m2po train` builds) at full size under torch's FakeTensorMode
+in a fake process group of the recipe's world size, once per pipeline role (first, middle, last stage), and runs
+one optimizer mini-batch through the pipeline schedule, the loss and the optimizer step. No GPU and no memory
+beyond the model's bookkeeping: a 32B recipe rehearses on a laptop. Per stage it prints the parameters, the
+traced peak bytes (weights, gradients, optimizer states, activations, temporaries), models/memory.py's estimate
+at the traced settings beside it, the recipe's own estimate against the GPU's memory, and every collective of
+the step with its group and bytes. What a CPU cannot trace (Transformer Engine, FP8, FlexAttention, compiled
+kernels) is listed in the output; the formula covers it (m2po_megatron.rehearse).
+
+Exit status: 0 when every role ran and its traced peak is within --tolerance of the estimate, 1 otherwise, 2 on
+bad input."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def register(sub) -> None:
+    p = sub.add_parser("rehearse", help="one training step of a recipe at full size on fake tensors (no GPU)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="recipe path or name under recipes/ (e.g. paper/qwen3-8b-base)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor_model_parallel_size=2")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="stages rehearsed at once (each in its own process; default: 2 or the CPU count)")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per stage (default 600)")
+    p.add_argument("--tolerance", type=float, default=10.0,
+                   help="largest |estimate - traced| in %% of traced before the exit status is 1 (default 10)")
+    p.add_argument("--format", default="table", choices=("table", "json"))
+    p.add_argument("--seed", type=int, default=0, help="seed of the drawn sequence lengths")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from m2po_megatron.config import load_config
+    from m2po_megatron.config.validation import model_hf_config
+    from m2po_megatron.rehearse import NOT_TRACED
+    from m2po_megatron.rehearse.plan import minibatch_seqs, report, run_roles, traced_kwargs
+
+    if args.jobs < 1 or args.timeout_s <= 0 or args.tolerance <= 0:
+        from m2po_megatron.config import ConfigError
+
+        raise ConfigError("--jobs must be >= 1, --timeout-s and --tolerance > 0")
+    cfg = load_config(args.recipe, args.overrides, check_files=False)
+    try:
+        kw, changed = traced_kwargs(cfg)
+    except ValueError as e:
+        from m2po_megatron.config import ConfigError
+
+        raise ConfigError(str(e)) from None
+    hf = model_hf_config(cfg)
+    p = cfg.parallel
+    tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
+    world = tp * pp * dp * p.context_parallel_size
+    seqs = minibatch_seqs(cfg)
+    results = run_roles(kw, world_size=world, tp=tp, dp=dp, pp=pp, seqs=seqs,
+                        max_new_tokens=cfg.rollout.max_new_tokens, jobs=args.jobs, timeout_s=args.timeout_s,
+                        seed=args.seed)
+    rep = report(cfg, hf, results, kw, float(cfg.cluster.gpu_memory_gb or 0))
+    rep.update(recipe=str(args.recipe), world_size=world, layout=dict(tp=tp, pp=pp, dp=dp,
+               vpp=p.virtual_pipeline_model_parallel_size), minibatch_seqs=seqs, changed=changed,
+               not_traced=list(NOT_TRACED), allocator_model="m2po_megatron.rehearse.fake.RehearsalMode")
+    ok = all("error" not in s and abs(s["error_pct"]) <= args.tolerance for s in rep["stages"])
+    rep["ok"] = ok
+    if args.format == "json":
+        print(json.dumps(rep, indent=1))
+    else:
+        print(format_report(rep))
+    return 0 if ok else 1
+
+
+def format_report(rep: dict) -> str:
+    lay = rep["layout"]
+    lines = [f"rehearsal of {rep['recipe']}: world {rep['world_size']} (TP{lay['tp']} x PP{lay['pp']} x DP{lay['dp']}"
+             + (f", VPP{lay['vpp']}" if lay.get("vpp") else "") + f"), one mini-batch of {rep['minibatch_seqs']} "
+             "sequences, fake tensors (allocator model: every storage a block rounded to 512 bytes)"]
+    if rep["changed"]:
+        lines.append("traced instead of the recipe's: " + "; ".join(rep["changed"]))
+    head = (f"{'stage':<9}{'params':>8}{'mbs':>5}{'traced':>9}{'estimate':>10}{'err':>7}  "
+            f"{'weights':>8}{'grads':>7}{'optim':>7}{'activ':>7}{'temps':>7}  {'recipe est':>10}{'GPU':>6}{'headroom':>9}")
+    lines += ["", head]
+    for s in rep["stages"]:
+        name = f"{s['role']}({s['pp_rank']})"
+        if "error" in s:
+            lines.append(f"{name:<9} FAILED: {s['error']}")
+            continue
+        a = s["at_peak_gib"]
+        lines.append(
+            f"{name:<9}{s['params'] / 1e9:>7.2f}B{s['microbatches']:>5}{s['traced_gib']:>8.1f}G{s['estimate_traced_gib']:>9.1f}G"
+            f"{s['error_pct']:>+6.1f}%  {a.get('weights', 0):>8.1f}{a.get('grads', 0):>7.1f}{a.get('optimizer', 0):>7.1f}"
+            f"{a.get('activations', 0):>7.1f}{a.get('temporaries', 0):>7.1f}  {s['estimate_recipe_gib']:>9.1f}G"
+            f"{s['gpu_gib']:>5.0f}G{s['headroom_gib']:>8.1f}G")
+    lines.append("traced: the allocator model's peak (GiB); estimate: models/memory.py's tensor terms at the traced "
+                 "settings and stage; recipe est: the formula for the recipe as written (TE/FP8/SP, overhead "
+                 "included) against the GPU's memory")
+    for s in rep["stages"]:
+        if "error" in s:
+            continue
+        lines.append(f"\ncollectives of {s['role']} stage (build {s['build_s']:.0f} s, step {s['step_s']:.0f} s):")
+        for c in s["collectives"]:
+            lines.append(f"  {c['call']:<24}{c['group']:<18}{c['count']:>6} x  {c['bytes'] / 2**20:>12.1f} MiB")
+    lines.append("\nnot traced (from the formula instead):")
+    lines += [f"  - {t}" for t in rep["not_traced"]]
+    lines.append("\nOK: every stage's estimate within tolerance" if rep["ok"] else
+                 "\nNOT OK: a stage failed or its estimate is off by more than the tolerance")
+    return "\n".join(lines)

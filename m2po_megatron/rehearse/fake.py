@@ -1,0 +1,330 @@
+"""The fake world a rehearsal runs in: torch's fake process group at the recipe's world size, fake tensors
+with an allocator model, and a log of every collective.
+
+The seams, all here and all named (nothing of the training step is re-implemented):
+- an op whose tensor inputs are all real (the batch's own tensors: its checks, packing, advantages) runs for
+  real; anything that touches a fake tensor (the model, its weights, every factory call) is fake.
+- host reads (`.item()`, `.tolist()`: aten._local_scalar_dense) have no value under fake tensors; they return 0
+  (False, 0, 0.0). So every NaN/inf count is 0, a grad norm is 0 and the optimizer step is taken.
+- data-dependent shapes (aten.nonzero) take their upper bound: every element counts as nonzero.
+- object collectives (all_gather_object, broadcast_object_list, gather_object) carry no data over the fake
+  group: every rank is taken to hold this rank's object (the SPMD assumption), and a non-source rank's None
+  in broadcast_object_list becomes {} (an empty metrics dict). Their pickled size is logged.
+- Megatron's gloo groups are built on the fake backend too (gloo cannot run over the fake group's store).
+- tensor collectives and point-to-point calls are logged with their process group's Megatron name and bytes,
+  and not run (the fake backend moves no data either, and has no fake implementation of the coalesced ones).
+"""
+from __future__ import annotations
+
+import contextlib
+import pickle
+import weakref
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves
+
+_aten = torch.ops.aten
+ALIGN = 512  # the CUDA caching allocator rounds every block up to 512 bytes
+
+
+def init_fake_world(rank: int, world_size: int) -> None:
+    """torch.distributed on the fake backend: any world size in one process, collectives that move nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torch.distributed import distributed_c10d as c10d
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # Megatron also builds gloo groups (its optimizer uses them); gloo over a FakeStore crashes the process, so
+    # every new group is a fake one
+    new_group = getattr(c10d.new_group, "_m2po_original", c10d.new_group)
+
+    def fake_new_group(*args, **kwargs):
+        kwargs.pop("backend", None)
+        kwargs.pop("pg_options", None)
+        if len(args) > 2:
+            args = args[:2] + (None,) + args[3:]  # new_group(ranks, timeout, backend, ...)
+        return new_group(*args, **kwargs)
+
+    fake_new_group._m2po_original = new_group
+    dist.new_group = c10d.new_group = fake_new_group
+
+
+@dataclass
+class _Block:
+    nbytes: int
+    kind: str  # the phase it was allocated in, refined by tag()
+
+
+class RehearsalMode(FakeTensorMode):
+    """FakeTensorMode that also models the allocator: every new storage is a block of its bytes (rounded to
+    ALIGN), live until its storage is collected; the live total's peak and the kinds of the blocks alive at the
+    peak (within PEAK_STEP of it) are kept. `phase` names the kind of what is allocated now."""
+
+    PEAK_STEP = 0.002  # a new breakdown is kept when the peak has grown by this fraction since the last one
+
+    def __init__(self):
+        super().__init__(allow_non_fake_inputs=True)
+        self.phase = "weights"
+        self.live: dict[int, _Block] = {}
+        self.total = 0
+        self.peak = 0
+        self.peak_phase = ""
+        self._snap_at = 0
+        self.peak_blocks: dict[int, _Block] = {}
+        self._refs: dict[int, weakref.ref] = {}
+
+    # -------------------------------------------------------------- allocator model
+    def _track(self, out) -> None:
+        if isinstance(out, torch.Tensor):
+            self._add(out)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    self._add(o)
+
+    def _add(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self.live:
+            return
+        n = st.nbytes()
+        if n == 0:
+            return
+        n = -(-n // ALIGN) * ALIGN
+        self.live[key] = _Block(n, self.phase)
+        self._refs[key] = weakref.ref(st, lambda _r, k=key: self._free(k))
+        self.total += n
+        if self.total > self.peak:
+            self.peak = self.total
+            self.peak_phase = self.phase
+            if self.peak > self._snap_at * (1 + self.PEAK_STEP):
+                self._snap_at = self.peak
+                self.peak_blocks = dict(self.live)
+
+    def _free(self, key: int) -> None:
+        b = self.live.pop(key, None)
+        self._refs.pop(key, None)
+        if b is not None:
+            self.total -= b.nbytes
+
+    def tag(self, tensors, kind: str) -> None:
+        """Set the kind of the blocks behind `tensors` (already allocated), also in the peak's breakdown."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                b = self.live.get(id(t.untyped_storage()))
+                if b is not None:
+                    b.kind = kind
+
+    def breakdown(self) -> dict[str, int]:
+        """Bytes per kind of the blocks alive at the peak."""
+        out: dict[str, int] = {}
+        for b in self.peak_blocks.values():
+            out[b.kind] = out.get(b.kind, 0) + b.nbytes
+        return out
+
+    def live_bytes(self) -> int:
+        return self.total
+
+    @contextlib.contextmanager
+    def saved_as_activations(self):
+        """Blocks that autograd saves for backward become 'activations' (the rest of the step: temporaries)."""
+
+        def pack(t):
+            b = self.live.get(id(t.untyped_storage())) if isinstance(t, torch.Tensor) else None
+            if b is not None and b.kind == "temporaries":
+                b.kind = "activations"
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    # -------------------------------------------------------------- dispatch
+    @staticmethod
+    def _all_real(args, kwargs) -> bool:
+        leaves = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        return bool(leaves) and not any(isinstance(x, FakeTensor) for x in leaves)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._all_real(args, kwargs):  # the batch's own tensors: real values, checked for real
+            with _disable_current_modes():
+                out = func(*args, **(kwargs or {}))
+            self._track(out)
+            return out
+        if func is _aten._local_scalar_dense.default:  # a host read: no value exists (see the module docstring)
+            dt = args[0].dtype
+            return False if dt == torch.bool else (0.0 if dt.is_floating_point or dt.is_complex else 0)
+        if func is _aten.nonzero.default:  # data-dependent size: its upper bound
+            x = args[0]
+            with self:
+                out = torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+            return out
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if not (func._schema.is_mutable or func.is_view):
+            self._track(out)
+        return out
+
+
+# ------------------------------------------------------------------ collectives
+@dataclass
+class CollectiveLog:
+    """Every collective of the rehearsed step: (call, group name, bytes), in order."""
+
+    calls: list[tuple[str, str, int]] = field(default_factory=list)
+    names: dict = field(default_factory=dict)  # ProcessGroup -> Megatron's name for it
+
+    def name_groups(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        getters = [("tp", ps.get_tensor_model_parallel_group), ("pp", ps.get_pipeline_model_parallel_group),
+                   ("dp", ps.get_data_parallel_group),
+                   ("dp_cp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
+                   ("mp", ps.get_model_parallel_group), ("embedding", ps.get_embedding_group),
+                   ("position_embedding", ps.get_position_embedding_group),
+                   ("tp_dp", lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=True)),
+                   ("cp", ps.get_context_parallel_group)]
+        for name, get in getters:
+            try:
+                g = get()
+            except Exception:  # a group Megatron did not build for this layout
+                continue
+            if g is not None:
+                self.names.setdefault(g, name)
+
+    def group_name(self, group) -> str:
+        if group is None or group is dist.GroupMember.WORLD:
+            return "world"
+        return self.names.get(group, f"group(size {dist.get_world_size(group)})")
+
+    def summary(self) -> list[dict]:
+        """Calls of one kind on one group merged: [{call, group, count, bytes}]."""
+        agg: dict[tuple[str, str], list[int]] = {}
+        for call, group, n in self.calls:
+            c = agg.setdefault((call, group), [0, 0])
+            c[0] += 1
+            c[1] += n
+        return [dict(call=k[0], group=k[1], count=v[0], bytes=v[1]) for k, v in agg.items()]
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(i) for i in x)
+    return 0
+
+
+_TENSOR_CALLS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "_reduce_scatter_base",
+                 "_all_gather_base", "broadcast", "reduce", "all_gather", "reduce_scatter", "send", "recv",
+                 "isend", "irecv", "all_to_all_single", "all_to_all", "gather", "scatter", "barrier")
+
+
+class _Done:
+    """The Work of a collective that has nothing to wait for."""
+
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+    def get_future(self):
+        fut = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+
+class _DoneCoalescing:
+    def __init__(self):
+        self.works = []
+
+    def append(self, work):
+        pass
+
+    def wait(self):
+        pass
+
+
+@contextlib.contextmanager
+def _coalescing_manager(group=None, device=None, async_ops=False):
+    yield _DoneCoalescing()
+
+
+@contextlib.contextmanager
+def logged_collectives(log: CollectiveLog):
+    """Replace torch.distributed's collectives, for the block, by calls that log themselves and move nothing
+    (the fake backend would move nothing either; several coalesced ops have no fake implementation). Object
+    collectives are answered locally (see the module docstring). Modules that imported a collective by name
+    (megatron's `from torch.distributed import _coalescing_manager`) get the replacement too."""
+    import sys
+
+    from torch.distributed import distributed_c10d as c10d
+
+    def tensor_call(name):
+        def call(*args, **kwargs):
+            group = kwargs.get("group")
+            if group is None:
+                group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+            first = args[0] if args else next(iter(kwargs.values()), None)
+            log.calls.append((name, log.group_name(group), _nbytes(first)))
+            return _Done() if (kwargs.get("async_op") or name in ("isend", "irecv")) else None
+        return call
+
+    def batch_isend_irecv(p2p_op_list):
+        works = []
+        for op in p2p_op_list:
+            works.append(op.op(op.tensor, op.peer, op.group, op.tag))
+        return [w or _Done() for w in works]
+
+    def all_gather_object(object_list, obj, group=None):
+        log.calls.append(("all_gather_object", log.group_name(group), len(pickle.dumps(obj))))
+        for i in range(len(object_list)):
+            object_list[i] = obj
+
+    def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+        log.calls.append(("broadcast_object_list", log.group_name(group), len(pickle.dumps(object_list))))
+        for i, o in enumerate(object_list):
+            if o is None:
+                object_list[i] = {}
+
+    def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
+        log.calls.append(("gather_object", log.group_name(group), len(pickle.dumps(obj))))
+        if object_gather_list is not None:
+            for i in range(len(object_gather_list)):
+                object_gather_list[i] = obj
+
+    repl = {name: tensor_call(name) for name in _TENSOR_CALLS}
+    repl.update(batch_isend_irecv=batch_isend_irecv, all_gather_object=all_gather_object,
+                broadcast_object_list=broadcast_object_list, gather_object=gather_object,
+                _coalescing_manager=_coalescing_manager)
+    originals = {name: getattr(c10d, name) for name in repl}
+    by_id = {id(fn): name for name, fn in originals.items()}
+    patched: list[tuple[object, str, object]] = []
+    # P2POp checks its op against distributed_c10d's isend/irecv: both namespaces get the same replacement
+    targets = [c10d, dist] + [m for n, m in list(sys.modules.items()) if n.startswith("megatron") and m is not None]
+    try:
+        for mod in targets:
+            for attr, val in list(vars(mod).items()):
+                name = by_id.get(id(val))
+                if name is not None and val is originals[name]:
+                    patched.append((mod, attr, val))
+                    setattr(mod, attr, repl[name])
+        yield log
+    finally:
+        for mod, attr, val in reversed(patched):
+            setattr(mod, attr, val)
+
+
+def fake_world_rank(pp_rank: int, tp: int, dp: int, cp: int = 1) -> int:
+    """The global rank of (tp 0, cp 0, dp 0, pipeline stage pp_rank) in Megatron's default order tp-cp-ep-dp-pp
+    (tensor parallel fastest, pipeline slowest)."""
+    return pp_rank * tp * cp * dp
+
+
+__all__ = ["init_fake_world", "RehearsalMode", "CollectiveLog", "logged_collectives", "fake_world_rank", "ALIGN"]
