@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_leaves
 
 _aten = torch.ops.aten
 ALIGN = 512  # the CUDA caching allocator rounds every block up to 512 bytes
@@ -148,8 +147,21 @@ class RehearsalMode(FakeTensorMode):
     # -------------------------------------------------------------- dispatch
     @staticmethod
     def _all_real(args, kwargs) -> bool:
-        leaves = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        return bool(leaves) and not any(isinstance(x, FakeTensor) for x in leaves)
+        """Whether the op has tensor inputs and none is fake (aten ops take tensors as arguments or in lists
+        of them; a hand-written scan: this runs for every op)."""
+        seen = False
+        for a in (*args, *(kwargs.values() if kwargs else ())):
+            if isinstance(a, torch.Tensor):
+                if isinstance(a, FakeTensor):
+                    return False
+                seen = True
+            elif isinstance(a, (list, tuple)):
+                for x in a:
+                    if isinstance(x, torch.Tensor):
+                        if isinstance(x, FakeTensor):
+                            return False
+                        seen = True
+        return seen
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self._all_real(args, kwargs):  # the batch's own tensors: real values, checked for real
@@ -187,7 +199,8 @@ class CollectiveLog:
                    ("dp_cp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
                    ("mp", ps.get_model_parallel_group), ("embedding", ps.get_embedding_group),
                    ("position_embedding", ps.get_position_embedding_group),
-                   ("tp_dp", lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=True)),
+                   ("tp_dp", ps.get_tensor_and_data_parallel_group),
+                   ("tp_dp_cp", lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=True)),
                    ("cp", ps.get_context_parallel_group)]
         for name, get in getters:
             try:

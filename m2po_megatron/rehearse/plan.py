@@ -49,9 +49,19 @@ def traced_kwargs(cfg) -> tuple[dict, list[str]]:
     return kw, changed
 
 
-def minibatch_seqs(cfg) -> int:
+def minibatch_seqs(cfg, max_microbatches: Optional[int] = None, seed: int = 0) -> int:
+    """Sequences of one optimizer mini-batch; with max_microbatches, at most about that many micro-batches'
+    worth per data-parallel rank (from the mean drawn length)."""
+    from .stage import draw_lengths
+
     t = cfg.train
-    return max(1, t.prompts_per_step * cfg.rollout.n_samples_per_prompt // t.updates_per_step)
+    n = max(1, t.prompts_per_step * cfg.rollout.n_samples_per_prompt // t.updates_per_step)
+    if max_microbatches is None:
+        return n
+    lens = draw_lengths(n, cfg.rollout.max_new_tokens, t.micro_batch_tokens, seed)
+    mean = sum(p + r for p, r in lens) / n
+    dp = cfg.parallel.data_parallel_size
+    return max(dp, min(n, int(max_microbatches * t.micro_batch_tokens * 0.95 * dp / mean)))
 
 
 def run_roles(kw: dict, *, world_size: int, tp: int, dp: int, pp: int, seqs: int, max_new_tokens: int,
@@ -142,3 +152,19 @@ def report(cfg, hf, results: list[dict], traced_kw: dict, gpu_gb: float) -> dict
             estimate_recipe_gib=est_r["total"], gpu_gib=gpu_gb, headroom_gib=gpu_gb - est_r["total"],
             collectives=res["collectives"], build_s=res["build_s"], step_s=res["step_s"]))
     return {"stages": rows}
+
+
+def verdict(rep: dict, tolerance_pct: float) -> tuple[bool, list[str]]:
+    """(every stage ran and its estimate is within tolerance_pct of its traced peak, the problems)."""
+    problems = []
+    for s in rep["stages"]:
+        name = f"{s['role']} stage (pipeline rank {s['pp_rank']})"
+        if "error" in s:
+            problems.append(f"{name} failed: {s['error']}")
+        elif abs(s["error_pct"]) > tolerance_pct:
+            problems.append(f"{name}: models/memory.py's estimate {s['estimate_traced_gib']:.2f} GiB is "
+                            f"{s['error_pct']:+.1f} % off the traced {s['traced_gib']:.2f} GiB (tolerance "
+                            f"{tolerance_pct:g} %)")
+    if not rep["stages"]:
+        problems.append("no stage was rehearsed")
+    return not problems, problems
