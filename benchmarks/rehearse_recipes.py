@@ -14,14 +14,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# one other valid layout per model (heads and KV heads divide by TP, layers by PP x VPP)
+# one other valid layout per model (heads and KV heads divide by TP, layers by PP; the recipe's GPU count)
 OTHER = {
     "llama-3.2-3b-instruct": "parallel.tensor_model_parallel_size=4 parallel.data_parallel_size=2",
-    "qwen2.5-32b": "parallel.pipeline_model_parallel_size=4 parallel.data_parallel_size=1",
+    "qwen2.5-32b": "parallel.pipeline_model_parallel_size=4 cluster.trainer_nodes=4",
     "qwen2.5-math-7b": "parallel.tensor_model_parallel_size=4 parallel.pipeline_model_parallel_size=2 "
                        "parallel.data_parallel_size=1",
     "qwen3-1.7b-base": "parallel.tensor_model_parallel_size=1 parallel.pipeline_model_parallel_size=2 "
-                       "parallel.data_parallel_size=4",
+                       "parallel.data_parallel_size=4 parallel.sequence_parallel=false",
     "qwen3-4b-base": "parallel.tensor_model_parallel_size=4 parallel.data_parallel_size=2",
     "qwen3-8b-base": "parallel.tensor_model_parallel_size=2 parallel.pipeline_model_parallel_size=2 "
                      "parallel.data_parallel_size=2",

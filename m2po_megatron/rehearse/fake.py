@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 _aten = torch.ops.aten
+_PRIM_DEVICE = torch.ops.prim.device.default
 ALIGN = 512  # the CUDA caching allocator rounds every block up to 512 bytes
 
 
@@ -164,6 +165,8 @@ class RehearsalMode(FakeTensorMode):
         return seen
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _PRIM_DEVICE and isinstance(args[0], FakeTensor):  # over half of all calls: answer it first
+            return args[0].fake_device
         if self._all_real(args, kwargs):  # the batch's own tensors: real values, checked for real
             with _disable_current_modes():
                 out = func(*args, **(kwargs or {}))
