@@ -6,7 +6,8 @@ The seams, all here and all named (nothing of the training step is re-implemente
   real; anything that touches a fake tensor (the model, its weights, every factory call) is fake.
 - host reads (`.item()`, `.tolist()`: aten._local_scalar_dense) have no value under fake tensors; they return 0
   (False, 0, 0.0). So every NaN/inf count is 0, a grad norm is 0 and the optimizer step is taken.
-- data-dependent shapes (aten.nonzero) take their upper bound: every element counts as nonzero.
+- data-dependent shapes (aten.nonzero) take their upper bound: every element counts as nonzero; a real boolean
+  mask used as an index is replaced by its real positions first.
 - object collectives (all_gather_object, broadcast_object_list, gather_object) carry no data over the fake
   group: every rank is taken to hold this rank's object (the SPMD assumption), and a non-source rank's None
   in broadcast_object_list becomes {} (an empty metrics dict). Their pickled size is logged.
@@ -175,6 +176,12 @@ class RehearsalMode(FakeTensorMode):
         if func is _aten._local_scalar_dense.default:  # a host read: no value exists (see the module docstring)
             dt = args[0].dtype
             return False if dt == torch.bool else (0.0 if dt.is_floating_point or dt.is_complex else 0)
+        if func in (_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default) and any(
+                isinstance(i, torch.Tensor) and not isinstance(i, FakeTensor) and i.dtype == torch.bool
+                for i in args[1]):  # a real boolean mask: its real positions (the batch's response masks)
+            idx = [i.nonzero(as_tuple=True) if isinstance(i, torch.Tensor) and not isinstance(i, FakeTensor)
+                   and i.dtype == torch.bool else (i,) for i in args[1]]
+            args = (args[0], [j for group in idx for j in group], *args[2:])
         if func is _aten.nonzero.default:  # data-dependent size: its upper bound
             x = args[0]
             with self:
