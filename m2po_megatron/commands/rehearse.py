@@ -60,12 +60,14 @@ def run(args) -> int:
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
     world = tp * pp * dp * p.context_parallel_size
     seqs = minibatch_seqs(cfg, args.max_microbatches, seed=args.seed)
+    full = minibatch_seqs(cfg)
     results = run_roles(kw, world_size=world, tp=tp, dp=dp, pp=pp, seqs=seqs,
                         max_new_tokens=cfg.rollout.max_new_tokens, jobs=args.jobs, timeout_s=args.timeout_s,
                         seed=args.seed)
     rep = report(cfg, hf, results, kw, float(cfg.cluster.gpu_memory_gb or 0))
     rep.update(recipe=str(args.recipe), world_size=world, layout=dict(tp=tp, pp=pp, dp=dp,
-               vpp=p.virtual_pipeline_model_parallel_size), minibatch_seqs=seqs, changed=changed,
+               vpp=p.virtual_pipeline_model_parallel_size), minibatch_seqs=seqs, recipe_minibatch_seqs=full,
+               changed=changed,
                not_traced=list(NOT_TRACED), allocator_model="m2po_megatron.rehearse.fake.RehearsalMode")
     rep["ok"], rep["problems"] = verdict(rep, args.tolerance)
     ok = rep["ok"]
@@ -80,11 +82,14 @@ def format_report(rep: dict) -> str:
     lay = rep["layout"]
     lines = [f"rehearsal of {rep['recipe']}: world {rep['world_size']} (TP{lay['tp']} x PP{lay['pp']} x DP{lay['dp']}"
              + (f", VPP{lay['vpp']}" if lay.get("vpp") else "") + f"), one mini-batch of {rep['minibatch_seqs']} "
-             "sequences, fake tensors (allocator model: every storage a block rounded to 512 bytes)"]
+             + ("sequences" if rep["minibatch_seqs"] == rep["recipe_minibatch_seqs"] else
+                f"of the recipe's {rep['recipe_minibatch_seqs']} sequences (--max-microbatches)")
+             + ", fake tensors (allocator model: every storage a block rounded to 512 bytes)"]
     if rep["changed"]:
         lines.append("traced instead of the recipe's: " + "; ".join(rep["changed"]))
     head = (f"{'stage':<9}{'params':>8}{'mbs':>5}{'traced':>9}{'estimate':>10}{'err':>7}  "
-            f"{'weights':>8}{'grads':>7}{'optim':>7}{'activ':>7}{'temps':>7}  {'recipe est':>10}{'GPU':>6}{'headroom':>9}")
+            f"{'weights':>8}{'grads':>7}{'optim':>7}{'activ':>7}{'temps':>7}  "
+            f"{'recipe est':>10}{'GPU':>6}{'headroom':>9}")
     lines += ["", head]
     for s in rep["stages"]:
         name = f"{s['role']}({s['pp_rank']})"
@@ -92,11 +97,11 @@ def format_report(rep: dict) -> str:
             lines.append(f"{name:<9} FAILED: {s['error']}")
             lines += ["    " + t for t in (s.get("traceback") or "").strip().splitlines()[-12:]]
             continue
-        a = s["at_peak_gib"]
+        parts = "".join(f"{s['at_peak_gib'].get(k, 0):>{w}.1f}" for k, w in (
+            ("weights", 8), ("grads", 7), ("optimizer", 7), ("activations", 7), ("temporaries", 7)))
         lines.append(
-            f"{name:<9}{s['params'] / 1e9:>7.2f}B{s['microbatches']:>5}{s['traced_gib']:>8.1f}G{s['estimate_traced_gib']:>9.1f}G"
-            f"{s['error_pct']:>+6.1f}%  {a.get('weights', 0):>8.1f}{a.get('grads', 0):>7.1f}{a.get('optimizer', 0):>7.1f}"
-            f"{a.get('activations', 0):>7.1f}{a.get('temporaries', 0):>7.1f}  {s['estimate_recipe_gib']:>9.1f}G"
+            f"{name:<9}{s['params'] / 1e9:>7.2f}B{s['microbatches']:>5}{s['traced_gib']:>8.1f}G"
+            f"{s['estimate_traced_gib']:>9.1f}G{s['error_pct']:>+6.1f}%  {parts}  {s['estimate_recipe_gib']:>9.1f}G"
             f"{s['gpu_gib']:>5.0f}G{s['headroom_gib']:>8.1f}G")
     lines.append("traced: the allocator model's peak (GiB); estimate: models/memory.py's tensor terms at the traced "
                  "settings and stage; recipe est: the formula for the recipe as written (TE/FP8/SP, overhead "
