@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import time
 import traceback
@@ -50,6 +51,10 @@ HARD_STOP_MARGIN_S = 30.0  # tools/gpu_check.sh kills the whole run at total + t
 COMMAND_LIMIT_S = 600.0  # one device command (/work/.library/device/README.md)
 MAX_TOTAL_S = COMMAND_LIMIT_S - HARD_STOP_MARGIN_S - 60.0  # and a minute for the shell and the transfers
 ROW = 16384  # recipes/paper/*.yaml train.micro_batch_tokens
+# The two sides' AdamW kernels differ: megatron-core without TE or Apex falls back to torch's AdamW, which runs
+# its foreach kernel; the HF peer asks torch for the fused one on CUDA. Said in the summary, beside the ratios.
+OPTIMIZERS = {"actor": "torch.optim.AdamW, foreach kernel (megatron-core's fallback without TE/Apex)",
+              "hf_peer": "torch.optim.AdamW(fused=True) on CUDA (foreach on CPU)"}
 Q17, Q4 = "Qwen__Qwen3-1.7B-Base", "Qwen__Qwen3-4B-Base"
 
 
@@ -143,6 +148,9 @@ def format_plan(parts: list[Part], total_s: float, te: bool) -> str:
 
 def format_table(summary: dict) -> str:
     lines = ["goal                                         pass   value"]
+    if "optimizers" in summary:
+        lines.insert(0, "optimizer kernels: actor " + summary["optimizers"]["actor"] + "; HF peer "
+                     + summary["optimizers"]["hf_peer"])
     for k, g in summary.get("goals", {}).get("goals", {}).items():
         mark = {True: "PASS", False: "FAIL", None: "n/a"}[g["pass"]]
         v = g["value"] if not isinstance(g["value"], dict) else json.dumps(g["value"])
@@ -159,6 +167,17 @@ def format_table(summary: dict) -> str:
 def summarize(parts: dict) -> dict:
     """Actor / HF throughput ratios from the parts that have both numbers (kept for callers)."""
     return G.ratios(parts)
+
+
+def write_summary(path: str | None, summary: dict) -> None:
+    """The summary as it stands, to `path` atomically (a temporary file renamed over it): written after every
+    part, so a hard stop or a killed device command still leaves every finished part's numbers."""
+    if not path:
+        return
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(summary, default=str) + "\n")
+    os.replace(tmp, p)
 
 
 def main(argv=None) -> int:
@@ -219,7 +238,11 @@ def main(argv=None) -> int:
     if not a.smoke and not env["cuda"]:
         log("no CUDA here: the GPU plan runs anyway and its parts report their errors (use --smoke on CPU)")
     summary["plan"] = [{"name": p.name, "budget_s": p.budget_s, "what": p.what} for p in parts]
+    summary["optimizers"] = OPTIMIZERS
+    summary["complete"] = False
     for p in parts:
+        summary["running"] = p.name
+        write_summary(a.out, summary)
         left = deadline - time.monotonic() - RESERVE_S / 2
         if left < min(20.0, p.budget_s):
             summary["parts"][p.name] = {"skipped": f"no time left ({left:.0f} s of the {total:.0f} s budget)"}
@@ -233,14 +256,16 @@ def main(argv=None) -> int:
         else:
             res = run_part(p.name, p.fn, (), budget)
         summary["parts"][p.name] = res
+        summary["goals"] = G.judge(summary["parts"])
+    summary.pop("running", None)
+    summary["complete"] = True
     if not te and not a.smoke:
         summary["parts"]["te_fp8"] = {"skipped": "Transformer Engine not importable (or no GPU)"}
     summary["actor_over_hf_tokens_per_s"] = G.ratios(summary["parts"])
     summary["goals"] = G.judge(summary["parts"])
     summary["wall_s"] = round(time.monotonic() - t_start, 1)
     text = json.dumps(summary, default=str)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    write_summary(a.out, summary)
     print(format_table(summary), file=sys.stderr, flush=True)
     print(text, flush=True)
     return 0

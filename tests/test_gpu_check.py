@@ -278,3 +278,33 @@ def test_gpu_test_results_survive_a_killed_pytest():
     g = G.judge({"gpu_tests": {"tests": r}})["goals"]
     assert g["resume"]["pass"] is True and g["gradient_parity_vs_hf_bf16"]["pass"] is False
     assert g["peak_memory_test_recipe_rows"]["pass"] is None
+
+
+@pytest.mark.timeout(400)
+def test_a_stopped_check_keeps_the_finished_parts_numbers(tmp_path):
+    """The summary file is rewritten after every part: gpu_check stopped during a part (the shell's hard stop, a
+    device command's limit) still leaves the parts that finished before it."""
+    out = tmp_path / "s.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_blocker(tmp_path)), str(REPO)]))
+    proc = subprocess.Popen([sys.executable, "benchmarks/gpu_check.py", "--smoke", "--parts", "hf_1p7b,qwen3_4b",
+                             "--out", str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        s: dict = {}
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists():
+                s = json.loads(out.read_text())  # never half-written: replaced atomically
+                if s.get("running") == "qwen3_4b":
+                    break
+            time.sleep(0.2)
+        assert s.get("running") == "qwen3_4b", s
+        proc.terminate()  # during qwen3_4b: its numbers are lost, hf_1p7b's are not
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    s = json.loads(out.read_text())
+    assert s["complete"] is False and s["running"] == "qwen3_4b"
+    assert s["parts"]["hf_1p7b"]["tokens_per_s"] > 0 and "qwen3_4b" not in s["parts"]
+    assert "foreach" in s["optimizers"]["actor"] and "fused" in s["optimizers"]["hf_peer"]
+    assert s["goals"]["goals"]  # judged on what finished

@@ -126,10 +126,31 @@ def _document_causal(doc: torch.Tensor):
 
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():
-    """flex_attention compiled once per process, with dynamic shapes (see the module docstring)."""
+    """flex_attention compiled once per process, with dynamic shapes (see the module docstring). Past dynamo's
+    recompile limit a compiled function falls back to eager, and eager flex materialises the S x S scores
+    (17-34 GB per layer at 16k-token rows): the process fails at the limit instead, with the guard that
+    failed (the shapes) in the error (torch._dynamo.config.fail_on_recompile_limit_hit)."""
+    import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
+    if not torch._dynamo.config.suppress_errors:  # the two flags exclude each other
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     return torch.compile(flex_attention, dynamic=True)
+
+
+def compiled_flex_call(q, k, v, block_mask, scale: float):
+    """The compiled kernel (CUDA's path in flex_row_attention; any device with a compiler in tests). Past the
+    recompile limit: a RuntimeError with the shapes that asked for one more graph."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    try:
+        return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.size(1) != k.size(1))
+    except FailOnRecompileLimitHit as e:
+        raise RuntimeError(
+            f"flex attention needed another compile past torch._dynamo.config.recompile_limit "
+            f"({torch._dynamo.config.recompile_limit}) at q {tuple(q.shape)}, k/v {tuple(k.shape)}, "
+            f"{q.dtype}: failing instead of running eager flex (it materialises the scores); "
+            f"rows of one {BLOCK}-token tile or a new dtype each compile once more") from e
 
 
 def _identity(score, b, h, q, kv):
@@ -143,7 +164,7 @@ def flex_row_attention(q, k, v, block_mask, scale: float):
     backward on CPU where the public function refuses one; tests use it to check the math."""
     gqa = q.size(1) != k.size(1)
     if q.is_cuda:
-        return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        return compiled_flex_call(q, k, v, block_mask, scale)
     from torch._higher_order_ops.flex_attention import flex_attention as flex_op
     from torch.nn.attention.flex_attention import _apply_kernel_options
 

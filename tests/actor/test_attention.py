@@ -136,6 +136,38 @@ def test_the_compiled_flex_compiles_once_for_rows_of_any_length():
     assert graphs == [1, 1, 1, 1], graphs
 
 
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="torch.compile on CPU needs a C++ compiler")
+@pytest.mark.timeout(300)
+def test_the_compiled_flex_fails_at_the_recompile_limit_instead_of_running_eagerly():
+    """Past dynamo's recompile limit a compiled function silently runs eagerly, and eager flex materialises the
+    scores; _compiled_flex makes that an error. A limit of 1 here: a row of one tile needs a second graph."""
+    import torch._dynamo
+
+    from m2po_megatron.models.attention import _compiled_flex, compiled_flex_call, packed_row
+
+    saved = (torch._dynamo.config.fail_on_recompile_limit_hit, torch._dynamo.config.recompile_limit)
+    torch._dynamo.reset()
+    _compiled_flex.cache_clear()
+    try:
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for i, lens in enumerate(([300, 17, 200], [100])):
+                row = packed_row([0, *torch.tensor(lens).cumsum(0).tolist()], "cpu")
+                q, k, v = (torch.randn(sum(lens), 1, n, 16, generator=g).permute(1, 2, 0, 3) for n in (4, 2, 2))
+                if i == 0:
+                    compiled_flex_call(q, k, v, row.block_mask(), 0.25)
+                    assert torch._dynamo.config.fail_on_recompile_limit_hit is True
+                    torch._dynamo.config.recompile_limit = 1
+                    continue
+                with pytest.raises(RuntimeError, match=r"recompile_limit \(1\) at q \(1, 4, 100, 16\)"):
+                    compiled_flex_call(q, k, v, row.block_mask(), 0.25)
+    finally:
+        torch._dynamo.config.fail_on_recompile_limit_hit, torch._dynamo.config.recompile_limit = saved
+        torch._dynamo.reset()
+        _compiled_flex.cache_clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(400)
 def test_compiled_flex_on_cuda_matches_the_loop_without_recompiling_per_row_length():
