@@ -13,9 +13,17 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ "${1:-}" = "--download-wheels" ]; then
   ver=$(grep -i '^megatron[-_]core==' requirements/lock.txt | cut -d= -f3)
-  exec "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "megatron-core==$ver"
+  # .whl/ travels to the device machine with `carry`, which takes 64 MiB in all (megatron-core 0.19.2: 2.3 MB)
+  size=$(du -sm .whl | cut -f1)
+  if [ "$size" -gt 48 ]; then
+    echo "gpu_check.sh: .whl/ is ${size} MiB; carry takes 64 MiB in all: remove old wheels from .whl/" >&2
+    exit 2
+  fi
+  echo ".whl/: ${size} MiB ($(ls .whl | tr '\n' ' '))"
+  exit 0
 fi
 export PYTHONUNBUFFERED=1
 # the hard stop follows the script's budget (450 s, or the last --budget-s given): budget + 30 s
