@@ -28,6 +28,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from gpu_parts.actor_part import actor_part  # noqa: E402
 from gpu_parts.hf_part import hf_part  # noqa: E402
 from gpu_parts.misc import GPU_TEST_FILES, env_part, gpu_tests_part, mask_part  # noqa: E402,F401
 from gpu_parts.runner import log, run_part, stop_parts_on_signals  # noqa: E402,F401
+from gpu_parts.warmup import warmup_part  # noqa: E402
 from gpu_parts.wheels import WHEEL_DIR, ensure_wheels, locked_version  # noqa: E402,F401
 
 DEFAULT_TOTAL_S = 450.0
@@ -74,12 +76,15 @@ def _hf(budget, **kw):
     return functools.partial(hf_part, budget_s=budget, **kw)
 
 
-def plan(smoke: bool, te: bool) -> list[Part]:
-    """The parts in run order (the goals first), with their budgets in seconds."""
+def plan(smoke: bool, te: bool, extra: bool = False) -> list[Part]:
+    """The parts in run order (the goals first), with their budgets in seconds; `extra` adds the parts that
+    run only when --parts names them."""
     if smoke:  # CPU, toy config, fp32: the same functions; budgets for a loaded 2-core machine
         a = dict(model_name=Q17, smoke=True, rows=2, row_tokens=1024, reps=1)
         return [
             Part("gpu_tests", 120, "collect the gpu tests"),
+            Part("warmup", 90, "compile once, 2 toy rows", functools.partial(
+                warmup_part, [(Q17, None), (Q4, "full")], True, budget_s=90)),
             Part("qwen3_1p7b", 150, "actor, toy, 2 rows of 1024, parity", _actor(150, parity=True, **a)),
             Part("hf_1p7b", 90, "HF peer, same tokens", _hf(90, **a)),
             Part("qwen3_4b", 120, "actor, toy, full recompute", _actor(120, recompute="full", **a)),
@@ -91,6 +96,11 @@ def plan(smoke: bool, te: bool) -> list[Part]:
     l17 = dict(model_name=Q17, smoke=False, rows=0, row_tokens=4096, reps=2, legacy_seqs=40)
     parts = [
         Part("gpu_tests", 150 if te else 130, "resume, gradient + log-prob parity, peak at the recipe rows"),
+    ]
+    if not te:  # the cold compiles of the parts below, once (gpu_parts/warmup.py); the TE plan has no room left
+        parts.append(Part("warmup", 55, "compile flex, SwiGLU and the step's graphs once: 1.7B, 4B (recompute)",
+                          functools.partial(warmup_part, [(Q17, None), (Q4, "full")], False, budget_s=55)))
+    parts += [
         Part("qwen3_1p7b", 60, "actor, 3 rows of 16,384, log-prob parity, syncs", _actor(60, parity=True, **r17)),
         Part("hf_1p7b", 45, "HF peer, the same tokens padded", _hf(45, **r17)),
         Part("qwen3_4b", 65, "actor, 2 rows of 16,384, full recompute (no fit without)", _actor(65, **r4)),
@@ -100,7 +110,7 @@ def plan(smoke: bool, te: bool) -> list[Part]:
         parts.append(Part("te_fp8", 35, "actor, TE FP8 e4m3, 2 ragged rows of 16,384 (no row % 16 == 0)",
                           _actor(35, model_name=Q17, smoke=False, rows=2, row_tokens=ROW, reps=1,
                                  attention_backend="te", fp8="e4m3", ragged=True)))
-    else:
+    if extra:  # turn 2's 4,096-token comparison gave its 55 s to the warm-up: run only when named (--parts)
         parts += [Part("qwen3_1p7b_4k", 30, "actor, turn 2's 40 sequences in 4,096-token rows", _actor(30, **l17)),
                   Part("hf_1p7b_4k", 25, "HF peer, the same", _hf(25, **l17))]
     parts.append(Part("m2po_mask", 20, "mask vs one torch.sort, 1e6-1e8 tokens",
@@ -196,7 +206,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     total = a.budget_s if a.budget_s is not None else (700.0 if a.smoke else DEFAULT_TOTAL_S)
     only = {p for p in a.parts.split(",") if p}
-    known = {p.name for sm in (False, True) for te in (False, True) for p in plan(sm, te)}
+    known = {p.name for sm in (False, True) for te in (False, True) for p in plan(sm, te, extra=True)}
     try:
         overrides = {k: float(v) for k, _, v in (x.partition("=") for x in a.part_budget)}
     except ValueError:
@@ -208,7 +218,7 @@ def main(argv=None) -> int:
         return 2
 
     def select(smoke: bool, te: bool) -> list[Part]:
-        return with_budgets([p for p in plan(smoke, te) if not only or p.name in only], overrides)
+        return with_budgets([p for p in plan(smoke, te, extra=bool(only)) if not only or p.name in only], overrides)
 
     if a.dry_run:
         bad = False
@@ -219,6 +229,8 @@ def main(argv=None) -> int:
             bad |= bool(errs)
         return 2 if bad else 0
     stop_parts_on_signals()
+    # one inductor cache for every part's process: what the warm-up compiles, the later parts load
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "m2po-gpu-check-inductor"))
     t_start = time.monotonic()
     deadline = t_start + total
     summary: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "mode": "smoke" if a.smoke else "gpu",

@@ -57,6 +57,9 @@ def test_smoke_run_without_ray_prints_one_json_summary(tmp_path):
     par = parts["qwen3_1p7b"]["parity"]
     assert par["actor_max_abs"] <= 1e-4 < par["hf_bf16_max_abs"]
     assert [r["n"] for r in parts["m2po_mask"]["rows"]] == [10**4, 10**5]
+    warm = parts["warmup"]["models"]  # one step of each model's actor before the parts, then one more
+    assert set(warm) == {gpu_check.Q17, gpu_check.Q4} and all(w["first_s"] > 0 < w["second_s"] for w in warm.values())
+    assert s["complete"] is True and "running" not in s
     goals = s["goals"]["goals"]
     assert goals["logprob_parity_vs_hf_bf16"]["pass"] is True  # fp32 on CPU: far inside the bound
     for name in ("peak_vs_estimate_qwen3_1p7b", "resume", "gradient_parity_vs_hf_bf16",
