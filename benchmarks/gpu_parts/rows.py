@@ -15,8 +15,9 @@ import math
 import random
 from typing import Optional, Sequence
 
-PROMPT_MEAN, PROMPT_SD, PROMPT_RANGE = 150, 40, (32, 400)
-RESPONSE_RANGE = (200, 4000)
+from m2po_megatron.rehearse.stage import PROMPT_MEAN, PROMPT_RANGE, PROMPT_SD, RESPONSE_MIN
+
+RESPONSE_RANGE = (RESPONSE_MIN, 4000)  # m2po rehearse draws up to the recipe's rollout.max_new_tokens instead
 RECIPE_ROW = 16384  # recipes/paper/*.yaml train.micro_batch_tokens: lengths scale with row_tokens / this
 
 
