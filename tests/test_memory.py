@@ -157,3 +157,26 @@ def test_the_estimate_uses_the_fused_log_prob_ops_own_chunk_sizes():
 
     assert memory.LOGPROB_CHUNK_BYTES == fused_logprobs.CHUNK_BYTES
     assert memory.LOGPROB_VOCAB_BLOCK == fused_logprobs.VOCAB_BLOCK
+
+
+def test_pipeline_stages_each_estimated():
+    """pipeline_stage: the first stage holds the embedding and PP micro-batches in flight, a middle one neither
+    end, the last one the output layer (a tied embedding's copy) with the log-probs and one micro-batch; the
+    default stays the worst case of both ends."""
+    cfg = load_hf_config_dict(CONFIGS / "Qwen__Qwen2.5-32B")
+    kw = dict(micro_batch_tokens=16384, tensor_model_parallel_size=8, pipeline_model_parallel_size=4)
+    first, mid, last = (estimate_gpu_memory(cfg, pipeline_stage=s, **kw) for s in (0, 1, 3))
+    worst = estimate_gpu_memory(cfg, **kw)
+    s = model_shape(cfg)
+    emb = s.vocab * s.hidden / 8 / 1e9
+    assert first["params_per_gpu_billion"] - mid["params_per_gpu_billion"] == pytest.approx(emb)
+    assert last["params_per_gpu_billion"] - mid["params_per_gpu_billion"] == pytest.approx(emb + s.hidden / 1e9)
+    assert first["logits"] == mid["logits"] == 0 < last["logits"] == worst["logits"]
+    # activations: 4, 3 and 1 micro-batches of the stage's layers in flight (the last adds what is outside them)
+    assert first["activations"] / mid["activations"] == pytest.approx(4 / 3)
+    assert worst["activations"] >= first["activations"] and worst["total"] >= max(first["total"], last["total"])
+    # capped by the micro-batches there are
+    one = estimate_gpu_memory(cfg, pipeline_stage=0, microbatches_in_flight=1, **kw)
+    assert one["activations"] == pytest.approx(first["activations"] / 4)
+    with pytest.raises(ValueError, match="pipeline_stage"):
+        estimate_gpu_memory(cfg, pipeline_stage=4, **kw)
