@@ -57,6 +57,17 @@ def init_fake_world(rank: int, world_size: int) -> None:
     dist.new_group = c10d.new_group = fake_new_group
 
 
+def close_fake_world() -> None:
+    """Undo init_fake_world: the process group destroyed, torch's new_group back."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    original = getattr(c10d.new_group, "_m2po_original", None)
+    if original is not None:
+        dist.new_group = c10d.new_group = original
+
+
 @dataclass
 class _Block:
     nbytes: int
@@ -350,4 +361,5 @@ def fake_world_rank(pp_rank: int, tp: int, dp: int, cp: int = 1) -> int:
     return pp_rank * tp * cp * dp
 
 
-__all__ = ["init_fake_world", "RehearsalMode", "CollectiveLog", "logged_collectives", "fake_world_rank", "ALIGN"]
+__all__ = ["init_fake_world", "close_fake_world", "RehearsalMode", "CollectiveLog", "logged_collectives",
+           "fake_world_rank", "ALIGN"]

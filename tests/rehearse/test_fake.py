@@ -84,11 +84,13 @@ def test_fake_world_rank_is_megatrons_order():
 
 @pytest.fixture()
 def fake_world():
-    from m2po_megatron.rehearse.fake import init_fake_world
+    from m2po_megatron.rehearse.fake import close_fake_world, init_fake_world
 
+    new_group = dist.new_group
     init_fake_world(rank=2, world_size=4)
     yield
-    dist.destroy_process_group()
+    close_fake_world()
+    assert dist.new_group is new_group and not dist.is_initialized()  # nothing left for the next test
 
 
 @pytest.mark.timeout(60)
