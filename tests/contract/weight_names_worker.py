@@ -7,9 +7,10 @@ which sent names reach which parameters; the loaders' own shape checks run on th
 
     python tests/contract/weight_names_worker.py TP CONFIG_JSON... [--drop NAME] [--reshape NAME]
 
-prints one JSON line per config: params, loaded, unloaded (parameters no name reached), unconsumed (names that reached
-no parameter), incomplete (stacked parameters, qkv_proj and gate_up_proj, missing a shard), misshaped (a
-sent tensor whose whole shape is not the layer's), error. --drop / --reshape alter what is sent, for the tests that the check can fail."""
+prints one JSON line per config: params, loaded, unloaded (parameters no name reached), unconsumed (names that
+reached no parameter), incomplete (stacked parameters, qkv_proj and gate_up_proj, missing a shard), misshaped
+(a sent tensor whose whole shape is not the layer's), error. --drop / --reshape alter what is sent, for the
+tests that the check can fail."""
 from __future__ import annotations
 
 import argparse
