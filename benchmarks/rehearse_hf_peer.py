@@ -40,7 +40,7 @@ def main() -> int:
     from gpu_parts.common import hf_model, model_config
     from hf_peer import HFPeer
     from m2po_megatron.models.memory import GiB
-    from m2po_megatron.rehearse.fake import RehearsalMode
+    from m2po_megatron.infra.fake_world import RehearsalMode
 
     torch._dynamo.config.disable = True
     cfg = model_config(a.model, smoke=False)

@@ -68,7 +68,7 @@ def run(args) -> int:
     rep.update(recipe=str(args.recipe), world_size=world, layout=dict(tp=tp, pp=pp, dp=dp,
                vpp=p.virtual_pipeline_model_parallel_size), minibatch_seqs=seqs, recipe_minibatch_seqs=full,
                changed=changed,
-               not_traced=list(NOT_TRACED), allocator_model="m2po_megatron.rehearse.fake.RehearsalMode")
+               not_traced=list(NOT_TRACED), allocator_model="m2po_megatron.infra.fake_world.RehearsalMode")
     rep["ok"], rep["problems"] = verdict(rep, args.tolerance)
     ok = rep["ok"]
     if args.format == "json":

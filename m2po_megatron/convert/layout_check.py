@@ -152,7 +152,7 @@ def _exported(spec, chunks) -> list[tuple[str, tuple]]:
     """(hf name, shape) of what convert.export.iter_hf_tensors yields for this stage (its all-gathers logged
     and answered by the fake world: the shapes are real, the values are not)."""
     from m2po_megatron.convert.export import iter_hf_tensors
-    from m2po_megatron.rehearse.fake import CollectiveLog, RehearsalMode, logged_collectives
+    from m2po_megatron.infra.fake_world import CollectiveLog, RehearsalMode, logged_collectives
 
     with RehearsalMode(), logged_collectives(CollectiveLog()):
         return [(n, tuple(t.shape)) for n, t in iter_hf_tensors(chunks, spec)]
@@ -168,7 +168,7 @@ def _build_stage(spec: HFModelSpec, tp: int, pp: int, stage: int) -> list:
     from m2po_megatron.actor import cpu_compat
     from m2po_megatron.infra import device
     from m2po_megatron.models.builder import build_model_chunks, transformer_config_from_hf
-    from m2po_megatron.rehearse.fake import RehearsalMode, init_fake_world
+    from m2po_megatron.infra.fake_world import RehearsalMode, init_fake_world
 
     torch._dynamo.config.disable = True
     device.set_rehearsal(True)

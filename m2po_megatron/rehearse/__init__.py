@@ -5,7 +5,7 @@ M2PO's global mask, and optimizer step as `m2po train`) is built at the recipe's
 FakeTensorMode, in a fake process group of the recipe's world size, once per distinct role: each pipeline
 stage (first, middle, last; all its virtual chunks) at tensor and data parallel rank 0, each in a process of
 its own. One optimizer mini-batch of sequences drawn like the paper's rollouts goes through the pipeline
-schedule. The allocator model (rehearse.fake.RehearsalMode: every storage a block rounded to 512 bytes, live
+schedule. The allocator model (infra.fake_world.RehearsalMode: every storage a block rounded to 512 bytes, live
 until collected) gives each stage's peak and what is alive at it; every collective is logged with its group.
 
 What a CPU cannot trace, and how the report covers it (never skipped silently; `NOT_TRACED`):

@@ -67,7 +67,7 @@ def minibatch_seqs(cfg, max_microbatches: Optional[int] = None, seed: int = 0) -
 def run_roles(kw: dict, *, world_size: int, tp: int, dp: int, pp: int, seqs: int, max_new_tokens: int,
               jobs: int, timeout_s: float, seed: int = 0) -> list[dict]:
     """Each role in a spawned process (up to `jobs` at once); [{role, ok, result | error}] in role order."""
-    from .fake import fake_world_rank
+    from m2po_megatron.infra.fake_world import fake_world_rank
     from .stage import child_main
 
     ctx = mp.get_context("spawn")

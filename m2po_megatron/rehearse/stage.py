@@ -65,7 +65,7 @@ def rehearse_rank(kwargs: dict, *, rank: int, world_size: int, minibatch_seqs: i
     t0 = time.perf_counter()
     from m2po_megatron.infra import device
 
-    from .fake import CollectiveLog, RehearsalMode, init_fake_world, logged_collectives
+    from m2po_megatron.infra.fake_world import CollectiveLog, RehearsalMode, init_fake_world, logged_collectives
 
     import torch._dynamo
 

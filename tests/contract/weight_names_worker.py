@@ -42,7 +42,7 @@ def _parallel(tp: int) -> None:
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.test.test_utils import publish_build_topology
 
-    from m2po_megatron.rehearse.fake import init_fake_world
+    from m2po_megatron.infra.fake_world import init_fake_world
 
     # no GPU and no other ranks here: sglang's groups are built without their NCCL / custom all-reduce
     # communicators and shared-memory broadcaster (which waits for the other ranks); loading weights never

@@ -109,6 +109,7 @@ ALLOWED = {
     "run": {"actor", "config", "convert", "data", "eval", "infra", "rollout"},
     "sweep": {"config", "infra", "models", "run"},
     "plan": {"config", "infra", "models", "rollout", "run", "staleness"},
+    "rehearse": {"actor", "config", "infra", "models"},
 }
 ENTRY_POINTS = {"(root)", "commands"}
 

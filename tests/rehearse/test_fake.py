@@ -1,5 +1,5 @@
 """The rehearsal's fake world: the allocator model's bytes and peak, its kinds, the host-read and real-op seams,
-and the collective log (m2po_megatron.rehearse.fake). No Megatron model here: small programs whose allocations
+and the collective log (m2po_megatron.infra.fake_world). No Megatron model here: small programs whose allocations
 are known by hand."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from m2po_megatron.rehearse.fake import ALIGN, CollectiveLog, RehearsalMode, fake_world_rank, logged_collectives
+from m2po_megatron.infra.fake_world import ALIGN, CollectiveLog, RehearsalMode, fake_world_rank, logged_collectives
 
 MiB = 2**20
 
@@ -84,7 +84,7 @@ def test_fake_world_rank_is_megatrons_order():
 
 @pytest.fixture()
 def fake_world():
-    from m2po_megatron.rehearse.fake import close_fake_world, init_fake_world
+    from m2po_megatron.infra.fake_world import close_fake_world, init_fake_world
 
     new_group = dist.new_group
     init_fake_world(rank=2, world_size=4)

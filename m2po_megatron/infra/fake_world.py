@@ -1,5 +1,6 @@
-"""The fake world a rehearsal runs in: torch's fake process group at the recipe's world size, fake tensors
-with an allocator model, and a log of every collective.
+"""A fake world for real-size checks without a GPU (m2po rehearse, convert.layout_check, the contract suite's
+weight names): torch's fake process group at any world size, fake tensors with an allocator model, and a log of
+every collective.
 
 The seams, all here and all named (nothing of the training step is re-implemented):
 - an op whose tensor inputs are all real (the batch's own tensors: its checks, packing, advantages) runs for
