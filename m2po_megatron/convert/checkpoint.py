@@ -114,11 +114,13 @@ def _build(spec: HFModelSpec, dtype: torch.dtype):
 def _build_meta(spec: HFModelSpec, dtype: torch.dtype):
     """The GPTModel without weights (meta device), for its sharded_state_dict. The local spec with CPU
     initialization, because TE layers and GPU initialization allocate on the GPU whatever the default device
-    is (the stored keys are the same for both specs)."""
+    is (the stored keys are the same for both specs). init_model_with_meta_device: with tied embeddings at
+    PP > 1, megatron otherwise moves the last stage's output-layer copy to CUDA and all-reduces it with the
+    first stage's embedding (a meta tensor has nothing to copy; a CPU machine has no CUDA)."""
     from m2po_megatron.models.builder import build_gpt_model, transformer_config_from_hf
 
     tc = transformer_config_from_hf(spec, params_dtype=dtype, pipeline_dtype=dtype, perform_initialization=False,
-                                    use_cpu_initialization=True)
+                                    use_cpu_initialization=True, init_model_with_meta_device=True)
     with torch.device("meta"):
         model = build_gpt_model(spec, tc, attention_backend="local")
     real = [n for n, p in model.named_parameters() if not p.is_meta]
