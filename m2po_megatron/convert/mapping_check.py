@@ -102,6 +102,7 @@ def fake_rank(tp: int, pp: int, pp_rank: int, tp_rank: int) -> Iterator[None]:
 
     rank, world = pp_rank * tp + tp_rank, tp * pp
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    hook = sys.excepthook  # every init_process_group wraps it once more (a rank prefix): hundreds of ranks deep
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0")
     try:
         if ps.model_parallel_is_initialized():
@@ -114,6 +115,7 @@ def fake_rank(tp: int, pp: int, pp_rank: int, tp_rank: int) -> Iterator[None]:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         close_fake_world()
+        sys.excepthook = hook
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
