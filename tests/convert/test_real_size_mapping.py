@@ -166,3 +166,18 @@ def test_a_wrong_shape_and_a_missing_layer_are_caught(monkeypatch):
     finally:
         mc._READS.clear()
     assert any("stored, but not a view of a mapped parameter" in p for p in problems), problems[:3]
+
+
+def test_the_conversion_model_of_a_tied_last_stage_stays_on_meta(monkeypatch):
+    """hf_to_megatron at PP > 1 with tied embeddings: megatron copied the last stage's output-layer weight to CUDA
+    (and all-reduced it with the embedding) unless told the model is on meta. A meta tensor cannot be copied, so
+    on a GPU machine the conversion crashed; CPU runs hid it (cpu_compat makes .cuda() a no-op)."""
+    from m2po_megatron.convert.checkpoint import _build_meta
+
+    def no_copy(self, *a, **k):
+        raise AssertionError(f"Tensor.cuda() on a {self.device} tensor")
+
+    monkeypatch.setattr(torch.Tensor, "cuda", no_copy)
+    with mc.fake_rank(2, 2, 1, 1):
+        model = _build_meta(_spec("meta-llama__Llama-3.2-3B-Instruct"), torch.bfloat16)
+    assert model.output_layer.weight.is_meta and model.post_process and not model.pre_process
