@@ -181,3 +181,22 @@ def test_the_conversion_model_of_a_tied_last_stage_stays_on_meta(monkeypatch):
     with mc.fake_rank(2, 2, 1, 1):
         model = _build_meta(_spec("meta-llama__Llama-3.2-3B-Instruct"), torch.bfloat16)
     assert model.output_layer.weight.is_meta and model.post_process and not model.pre_process
+
+
+@pytest.mark.timeout(120)
+def test_the_hf_side_is_transformers_own_model_of_each_config():
+    """The HF names and shapes the check starts from (models.weights.expected_hf_shapes) are those of
+    transformers' model class for each real config (built on the meta device); a tied lm_head is the embedding
+    (HF checkpoints do not store it)."""
+    import transformers
+
+    for name in CONFIGS:
+        cfg = transformers.AutoConfig.from_pretrained(str(ASSETS / name))
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        have = {n: tuple(p.shape) for n, p in model.state_dict().items()}
+        spec = _spec(name)
+        if spec.tie_word_embeddings:
+            assert model.lm_head.weight is model.model.embed_tokens.weight, name
+            del have["lm_head.weight"]
+        assert have == {n: tuple(s) for n, s in weights.expected_hf_shapes(spec).items()}, name
