@@ -1,71 +1,81 @@
-"""Model configs at one rollout TP, in a process of their own (sglang's parallel state is per process): sglang
-0.5.23's model class built on the meta device at rank 0 of TP ranks, then its own `load_weights` (what
-update_weights_from_distributed calls with the received tensors) fed the names and full shapes the trainer sends
-(models.weights.expected_hf_shapes: convert.export.iter_hf_tensors yields exactly these at every trainer
-layout, checked in tests/convert/test_layout_check.py). Every parameter's weight_loader is wrapped to see
-which sent names reach which parameters; the loaders' own shape checks run on the meta tensors.
+"""Weight-sync names at real size, sglang's side: sglang 0.5.23's model class of a bundled config built on the
+meta device at one TP rank of a rollout TP, then its own `load_weights` (what update_weights_from_distributed
+calls with the received tensors, bucket by bucket) fed meta tensors of the names and whole shapes the trainer
+sends (by default models.weights.expected_hf_shapes: convert.export.iter_hf_tensors yields exactly these at every
+trainer layout, checked in tests/convert/test_layout_check.py; or a list given in the job). Every parameter's
+weight_loader is wrapped to see which sent names reach which parameters and shards; the loaders' own shape
+checks run on the meta tensors (they copy nothing).
 
-    python tests/contract/weight_names_worker.py TP CONFIG_JSON... [--drop NAME] [--reshape NAME]
+    python tests/contract/weight_names_worker.py < JOBS
 
-prints one JSON line per config: params, loaded, unloaded (parameters no name reached), unconsumed (names that
-reached no parameter), incomplete (stacked parameters, qkv_proj and gate_up_proj, missing a shard), misshaped
-(a sent tensor whose whole shape is not the layer's), error. --drop / --reshape alter what is sent, for the
-tests that the check can fail."""
+JOBS: one JSON object a line, read as it comes (a job may wait for the one before it to be answered):
+{"id", "config": config.json, "tp", "rank" (default 0), "sent": [[name, shape], ...] (default: the expected
+names), "drop": [names], "reshape": [names (8 rows more)], "rename": [[old, new]],
+"add": [[name, shape]]}. One process serves every
+layout: sglang's parallel state is torn down and built again (torch's fake process group, any world size) when
+a job's TP or rank differs from the one before. Prints one JSON line per job: params, loaded, unloaded
+(parameters no name reached), unconsumed (names that reached no parameter: sglang only logs a warning for
+them), incomplete (stacked parameters, qkv_proj and gate_up_proj, missing a shard), misshaped (a sent tensor
+whose whole shape is not the layer's: the loaders narrow a larger one to their slice without complaint), error
+(a loader's own refusal)."""
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
 import sys
+import time
 import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 MODULES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+_state = {"layout": None}
 
 
-def _parallel(tp: int) -> None:
-    """sglang's distributed environment and model-parallel groups at rank 0 of `tp` ranks. TP 1: sglang's own
-    test helper (gloo). TP > 1: torch's fake process group (no other ranks exist), with every group sglang
-    builds on it, gloo included."""
+def _parallel(tp: int, rank: int) -> None:
+    """sglang's distributed environment and model-parallel groups at `rank` of `tp` ranks, on torch's fake
+    process group (no other ranks exist), with every group sglang builds on it; the previous layout's groups are
+    destroyed first. Loading weights never communicates."""
     import torch.distributed as dist
-
-    if tp == 1:
-        from sglang.test.layer_ut_utils import init_single_process_dist
-
-        from m2po_megatron.infra.net import free_port
-
-        init_single_process_dist(master_port=free_port("127.0.0.1"))
-        return
     from sglang.srt.distributed import parallel_state as sps
-    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.test.test_utils import publish_build_topology
 
-    from m2po_megatron.infra.fake_world import init_fake_world
+    from m2po_megatron.infra.fake_world import close_fake_world, init_fake_world
 
-    # no GPU and no other ranks here: sglang's groups are built without their NCCL / custom all-reduce
-    # communicators and shared-memory broadcaster (which waits for the other ranks); loading weights never
-    # communicates
-    build = sps.init_model_parallel_group
+    if _state["layout"] == (tp, rank):
+        return
+    if _state["layout"] is not None:
+        sps.destroy_model_parallel()
+        sps.destroy_distributed_environment()
+        close_fake_world()
+    if not getattr(sps.init_model_parallel_group, "_m2po_no_device_comms", False):
+        # no GPU and no other ranks here: sglang's groups are built without their NCCL / custom all-reduce
+        # communicators and shared-memory broadcaster (which waits for the other ranks)
+        build = sps.init_model_parallel_group
 
-    def without_device_comms(*args, **kwargs):
-        kwargs.update(use_pynccl=False, use_custom_allreduce=False, use_mscclpp=False,
-                      use_torch_symm_mem_allreduce=False, use_message_queue_broadcaster=False)
-        return build(*args, **kwargs)
+        def without_device_comms(*args, **kwargs):
+            kwargs.update(use_pynccl=False, use_custom_allreduce=False, use_mscclpp=False,
+                          use_torch_symm_mem_allreduce=False, use_message_queue_broadcaster=False)
+            return build(*args, **kwargs)
 
-    sps.init_model_parallel_group = without_device_comms
-    init_fake_world(0, tp)
-    os.environ.update(RANK="0", WORLD_SIZE=str(tp), LOCAL_RANK="0")
-    init_distributed_environment(world_size=tp, rank=0, local_rank=0, backend="fake")
-    publish_build_topology(tp_size=tp, ep_size=1, pp_size=1)
-    initialize_model_parallel(backend="fake")
-    assert dist.get_world_size() == tp
+        without_device_comms._m2po_no_device_comms = True
+        sps.init_model_parallel_group = without_device_comms
+    init_fake_world(rank, tp)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(tp), LOCAL_RANK=str(rank))
+    sps.init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="fake")
+    publish_build_topology(world_rank=rank, tp_size=tp, ep_size=1, pp_size=1)
+    sps.initialize_model_parallel(backend="fake")
+    from sglang.srt.runtime_context import get_parallel
+
+    assert dist.get_world_size() == tp and (get_parallel().tp_size, get_parallel().tp_rank) == (tp, rank)
+    _state["layout"] = (tp, rank)
 
 
-def check(config: str, tp: int, drop=(), reshape=()) -> dict:
-    """The check of one config at rank 0 of `tp` ranks (parallel state already set up); see the docstring."""
+def check(job: dict) -> dict:
+    """One job (see the module docstring), its layout set up here."""
     import torch
+    from sglang.srt.distributed.utils import get_group_rank_size
     from sglang.srt.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
     from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
     from sglang.srt.model_loader.weight_utils import default_weight_loader
@@ -74,6 +84,9 @@ def check(config: str, tp: int, drop=(), reshape=()) -> dict:
     from m2po_megatron.models.hf_config import read_hf_config
     from m2po_megatron.models.weights import expected_hf_shapes
 
+    t0 = time.perf_counter()
+    config, tp, rank = job["config"], int(job["tp"]), int(job.get("rank", 0))
+    _parallel(tp, rank)
     conf = AutoConfig.from_pretrained(str(Path(config).parent))
     arch = conf.architectures[0]
     cls = getattr(importlib.import_module(f"sglang.srt.models.{MODULES[arch]}"), arch)
@@ -87,8 +100,7 @@ def check(config: str, tp: int, drop=(), reshape=()) -> dict:
     current = {"name": None}
 
     def full_shape(pname, param, shard):
-        """The whole (unsharded) tensor sglang's layer expects, from the layer's own sizes: its loaders narrow a
-        larger tensor to their slice without complaint, so the size is checked here."""
+        """The whole (unsharded) tensor sglang's layer expects, from the layer's own sizes."""
         owner, leaf = pname.rsplit(".", 1)
         mod = modules[owner]
         if isinstance(mod, QKVParallelLinear):
@@ -129,19 +141,26 @@ def check(config: str, tp: int, drop=(), reshape=()) -> dict:
         for pn, _ in mod.named_parameters(recurse=False):
             stacked[f"{mname}.{pn}"] = want
 
-    shapes = expected_hf_shapes(read_hf_config(config))
-    for n in drop:
+    if job.get("sent") is not None:
+        shapes = {n: tuple(s) for n, s in job["sent"]}
+    else:
+        shapes = {n: tuple(s) for n, s in expected_hf_shapes(read_hf_config(config)).items()}
+    for n in job.get("drop", ()):
         shapes.pop(n)
-    for n in reshape:
+    for n in job.get("reshape", ()):
         shapes[n] = (shapes[n][0] + 8, *shapes[n][1:])
+    for n, shape in job.get("add", ()):
+        shapes[n] = tuple(shape)
+    for old, new in job.get("rename", ()):
+        shapes = {new if n == old else n: s for n, s in shapes.items()}
 
     def sent():
         for n, s in shapes.items():
             current["name"] = n
             yield n, torch.empty(s, dtype=torch.bfloat16, device="meta")
 
-    out: dict = {"config": Path(config).parent.name, "arch": arch, "tp": tp, "params": len(params),
-                 "sent": len(shapes)}
+    out: dict = {"id": job.get("id"), "config": Path(config).parent.name, "arch": arch, "tp": tp, "rank": rank,
+                 "params": len(params), "sent": len(shapes)}
     try:
         model.load_weights(sent())
     except Exception as e:  # a loader's own check: reported, the test names it
@@ -153,25 +172,26 @@ def check(config: str, tp: int, drop=(), reshape=()) -> dict:
     out["misshaped"] = misshaped
     out["incomplete"] = sorted(f"{n}: {sorted(map(str, shards[n]))}" for n, want in stacked.items()
                                if reached[n] and shards[n] != want)
+    # the TP rank sglang's layers were built at (their slice of every sharded parameter)
+    out["layer_tp"] = sorted({get_group_rank_size(m.tp_group)[::-1] for m in modules.values()
+                              if isinstance(m, LinearBase)})
+    out["seconds"] = round(time.perf_counter() - t0, 2)
     return out
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("tp", type=int)
-    ap.add_argument("configs", nargs="+")
-    ap.add_argument("--drop", action="append", default=[])
-    ap.add_argument("--reshape", action="append", default=[])
-    a = ap.parse_args()
+    import logging
+
     # sglang's RotaryEmbedding imports a fallback rope kernel from vllm on a machine that is neither CUDA nor its
     # CPU engine; loading weights never calls it, and this environment has no vllm
     stub = types.ModuleType("vllm._custom_ops")
     stub.rotary_embedding = None
     sys.modules.setdefault("vllm", types.ModuleType("vllm")).__dict__["_custom_ops"] = stub
     sys.modules.setdefault("vllm._custom_ops", stub)
-    _parallel(a.tp)
-    for c in a.configs:
-        print(json.dumps(check(c, a.tp, a.drop, a.reshape)), flush=True)
+    logging.getLogger("sglang").setLevel(logging.ERROR)  # "Parameter ... not found": reported as unconsumed
+    for line in sys.stdin:
+        if line.strip():
+            print(json.dumps(check(json.loads(line))), flush=True)
     return 0
 
 
