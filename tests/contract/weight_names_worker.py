@@ -28,7 +28,6 @@ import time
 import types
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
 MODULES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 _state = {"layout": None}
 
@@ -39,6 +38,7 @@ def _parallel(tp: int, rank: int) -> None:
     destroyed first. Loading weights never communicates."""
     import torch.distributed as dist
     from sglang.srt.distributed import parallel_state as sps
+    from sglang.srt.runtime_context import get_parallel
     from sglang.test.test_utils import publish_build_topology
 
     from m2po_megatron.infra.fake_world import close_fake_world, init_fake_world
@@ -66,8 +66,6 @@ def _parallel(tp: int, rank: int) -> None:
     sps.init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="fake")
     publish_build_topology(world_rank=rank, tp_size=tp, ep_size=1, pp_size=1)
     sps.initialize_model_parallel(backend="fake")
-    from sglang.srt.runtime_context import get_parallel
-
     assert dist.get_world_size() == tp and (get_parallel().tp_size, get_parallel().tp_rank) == (tp, rank)
     _state["layout"] = (tp, rank)
 
