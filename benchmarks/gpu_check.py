@@ -13,8 +13,10 @@ requirements/lock.txt). Nothing here needs Ray, math-verify or omegaconf.
 Each part runs in its own process group with a time budget (gpu_parts/runner.py): a failure or an overrun
 loses only its own numbers, and a part past its budget is killed with everything it spawned. The budgets
 add up to less than the total (checked before anything runs), and the total with the shell's hard stop fits
-one device command of 600 s. Parts (PLAN below): the `gpu` tests (resume, gradient and log-prob parity,
-peak memory at the recipe rows); the actor and the HF peer (benchmarks/hf_peer.py) on the same tokens for
+one device command of 600 s. With --out the summary file is rewritten (atomically) after every part, so a
+stopped check keeps what finished. Parts (PLAN below): the `gpu` tests (resume, gradient and log-prob parity,
+peak memory at the recipe rows); a warm-up that compiles the actor parts' kernels on their own rows into one
+inductor cache (gpu_parts/warmup.py); the actor and the HF peer (benchmarks/hf_peer.py) on the same tokens for
 Qwen3-1.7B and Qwen3-4B at the recipes' 16,384-token rows drawn like the paper's rollouts
 (gpu_parts/rows.py), and for Qwen3-1.7B on the earlier 4,096-token batch (turn 2's comparison); the M2PO
 mask vs one torch.sort; with Transformer Engine, the FP8 actor on ragged rows. The summary (stdout, one
@@ -45,7 +47,7 @@ from gpu_parts.hf_part import hf_part  # noqa: E402
 from gpu_parts.misc import GPU_TEST_FILES, env_part, gpu_tests_part, mask_part  # noqa: E402,F401
 from gpu_parts.runner import log, run_part, stop_parts_on_signals  # noqa: E402,F401
 from gpu_parts.warmup import warmup_part  # noqa: E402
-from gpu_parts.wheels import WHEEL_DIR, ensure_wheels, locked_version  # noqa: E402,F401
+from gpu_parts.wheels import WHEEL_DIR, ensure_wheels, locked_version, wheel_dir_problem  # noqa: E402,F401
 
 DEFAULT_TOTAL_S = 450.0
 RESERVE_S = 20.0  # wheel install, env probe, summary: outside the parts' budgets
@@ -83,8 +85,8 @@ def plan(smoke: bool, te: bool, extra: bool = False) -> list[Part]:
         a = dict(model_name=Q17, smoke=True, rows=2, row_tokens=1024, reps=1)
         return [
             Part("gpu_tests", 120, "collect the gpu tests"),
-            Part("warmup", 90, "compile once, 2 toy rows", functools.partial(
-                warmup_part, [(Q17, None), (Q4, "full")], True, budget_s=90)),
+            Part("warmup", 90, "compile once, the actor parts' toy rows", functools.partial(
+                warmup_part, [dict(a, parity=True), dict(a, recompute="full")], budget_s=90)),
             Part("qwen3_1p7b", 150, "actor, toy, 2 rows of 1024, parity", _actor(150, parity=True, **a)),
             Part("hf_1p7b", 90, "HF peer, same tokens", _hf(90, **a)),
             Part("qwen3_4b", 120, "actor, toy, full recompute", _actor(120, recompute="full", **a)),
@@ -97,13 +99,25 @@ def plan(smoke: bool, te: bool, extra: bool = False) -> list[Part]:
     parts = [
         Part("gpu_tests", 150 if te else 130, "resume, gradient + log-prob parity, peak at the recipe rows"),
     ]
-    if not te:  # the cold compiles of the parts below, once (gpu_parts/warmup.py); the TE plan has no room left
-        parts.append(Part("warmup", 55, "compile flex, SwiGLU and the step's graphs once: 1.7B, 4B (recompute)",
-                          functools.partial(warmup_part, [(Q17, None), (Q4, "full")], False, budget_s=55)))
+    # Compile budget (gpu_parts/warmup.py; measured on CPU 2026-12-04, the 2-core VM, see docs/actor.md "GPU
+    # check"): the compiled flex forward takes 5-7 s per graph on CPU (inductor's C++ template, torch 2.14.1 and
+    # 2.11.0, Qwen3 heads), plus 14-23 s of inductor's per-process CPU probe that a GPU does not run. Its
+    # Triton forward and backward cannot be compiled on CPU (flex has no CPU backward), so the GPU's times are
+    # unmeasured. A cold process compiles flex about 4 times (no-grad and grad; dynamo compiles the first
+    # length statically, then once more with dynamic sizes; the 4B's head count once more), plus SwiGLU's
+    # graphs: guessed at 75-130 s on the H200. The warm-up gets 75 s of it; what it does not finish the
+    # parts compile themselves, and whatever it finished stays in the cache (a rerun starts warm). From the
+    # warm cache a part's first step only traces and loads (CPU: 0.4-1.4 s past the probe), so the actor
+    # parts give 5 s each to the warm-up, and hf_1p7b (eager sdpa, nothing compiled) 5 s; the TE plan has no
+    # warm-up and keeps the cold budgets.
+    if not te:  # the cold compiles of the parts below, once; the TE plan has no room left
+        parts.append(Part("warmup", 75, "compile flex, SwiGLU and the step's graphs once, on the parts' own rows",
+                          functools.partial(warmup_part, [dict(r17, parity=True), r4], budget_s=75)))
+    b17, bhf17, b4 = (60, 45, 65) if te else (55, 40, 60)
     parts += [
-        Part("qwen3_1p7b", 60, "actor, 3 rows of 16,384, log-prob parity, syncs", _actor(60, parity=True, **r17)),
-        Part("hf_1p7b", 45, "HF peer, the same tokens padded", _hf(45, **r17)),
-        Part("qwen3_4b", 65, "actor, 2 rows of 16,384, full recompute (no fit without)", _actor(65, **r4)),
+        Part("qwen3_1p7b", b17, "actor, 3 rows of 16,384, log-prob parity, syncs", _actor(b17, parity=True, **r17)),
+        Part("hf_1p7b", bhf17, "HF peer, the same tokens padded", _hf(bhf17, **r17)),
+        Part("qwen3_4b", b4, "actor, 2 rows of 16,384, full recompute (no fit without)", _actor(b4, **r4)),
         Part("hf_4b", 50, "HF peer, full recompute", _hf(50, **r4)),
     ]
     if te:  # the H200 image has no TE; with TE the FP8 part takes the 4,096-token comparison's time
@@ -227,10 +241,16 @@ def main(argv=None) -> int:
             errs = [] if a.smoke else check_fit(parts, total)
             print(format_plan(parts, total, te) + "".join(f"\n  DOES NOT FIT: {e}" for e in errs))
             bad |= bool(errs)
-        return 2 if bad else 0
+        whl = wheel_dir_problem()  # checked here, before a device call carries .whl/
+        if whl:
+            print(f"DOES NOT FIT: {whl}")
+        return 2 if bad or whl else 0
     stop_parts_on_signals()
-    # one inductor cache for every part's process: what the warm-up compiles, the later parts load
+    # one inductor cache for every part's process: what the warm-up compiles, the later parts load; a job id
+    # makes dynamo keep its automatic-dynamic profile there too (local PGO), so the parts compile the
+    # dynamic-shape graphs the warm-up ended with at once (gpu_parts/warmup.py)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "m2po-gpu-check-inductor"))
+    os.environ.setdefault("TORCH_COMPILE_JOB_ID", "m2po-gpu-check")
     t_start = time.monotonic()
     deadline = t_start + total
     summary: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "mode": "smoke" if a.smoke else "gpu",

@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py on CPU: the plan's budgets (--dry-run), the whole script in its --smoke mode (toy
 sizes) where ray, omegaconf and math-verify cannot be imported, the offline wheel install, the per-part guard
 (a part past its budget is killed with everything it spawned), the rollout-like rows and the goals."""
+import functools
 import json
 import os
 import re
@@ -57,8 +58,10 @@ def test_smoke_run_without_ray_prints_one_json_summary(tmp_path):
     par = parts["qwen3_1p7b"]["parity"]
     assert par["actor_max_abs"] <= 1e-4 < par["hf_bf16_max_abs"]
     assert [r["n"] for r in parts["m2po_mask"]["rows"]] == [10**4, 10**5]
-    warm = parts["warmup"]["models"]  # one step of each model's actor before the parts, then one more
-    assert set(warm) == {gpu_check.Q17, gpu_check.Q4} and all(w["first_s"] > 0 < w["second_s"] for w in warm.values())
+    warm = parts["warmup"]["parts"]  # the actor parts' calls on their rows before the parts, then one more step
+    assert [(w["row_tokens"], w["recompute"]) for w in warm] == [(1024, None), (1024, "full")], warm
+    assert all(w["first_step_s"] > 0 < w["second_step_s"] for w in warm) and warm[0]["parity_log_probs_s"] > 0
+    assert all(parts[n]["first_step_s"] > 0 for n in ("qwen3_1p7b", "hf_1p7b", "qwen3_4b", "hf_4b"))
     assert s["complete"] is True and "running" not in s
     goals = s["goals"]["goals"]
     assert goals["logprob_parity_vs_hf_bf16"]["pass"] is True  # fp32 on CPU: far inside the bound
@@ -98,6 +101,21 @@ def test_missing_package_is_installed_offline_from_the_wheel_folder(tmp_path):
     assert again["installed"] == []  # importable now: nothing is installed twice
 
 
+def test_a_wheel_folder_too_big_to_carry_is_refused(tmp_path):
+    from gpu_parts.wheels import WHEEL_DIR_LIMIT_MIB, wheel_dir_problem
+
+    d = tmp_path / "whl"
+    d.mkdir()
+    with open(d / "small.whl", "wb") as f:
+        f.truncate(3 * 2**20)
+    assert wheel_dir_problem(d) is None and wheel_dir_problem(tmp_path / "none") is None
+    with open(d / "torch-2.11.0.whl", "wb") as f:  # sparse: no disk used
+        f.truncate(int(WHEEL_DIR_LIMIT_MIB * 2**20))
+    why = wheel_dir_problem(d)
+    assert why and f"holds {WHEEL_DIR_LIMIT_MIB + 3:.1f} MiB" in why and "torch-2.11.0.whl" in why, why
+    assert wheel_dir_problem(gpu_check.WHEEL_DIR) is None  # the checkout's own .whl/ (when filled) travels
+
+
 def test_missing_wheel_names_the_download_command(tmp_path):
     with pytest.raises(RuntimeError, match=r"pip download .* -d \.whl m2po-wheel-probe==VERSION"):
         gpu_check.ensure_wheels({"m2po_wheel_probe": "m2po-wheel-probe"}, tmp_path / "none", tmp_path / "site")
@@ -116,13 +134,15 @@ def _numbers():
     return {"tokens_per_s": 5.0}
 
 
+_STUBBORN_CHILD = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                   "open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); "
+                   "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(3600)")
+
+
 def _stubborn_part(pid_file):
     """A part that starts a child which ignores SIGTERM, waits until the child has written its pid, then hangs
     (as a part whose torchrun rank or compile worker outlives it would)."""
-    code = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); os.replace(sys.argv[1] + '.tmp', sys.argv[1]); "
-            "time.sleep(3600)")
-    subprocess.Popen([sys.executable, "-c", code, pid_file])
+    subprocess.Popen([sys.executable, "-c", _STUBBORN_CHILD, pid_file])
     while not os.path.exists(pid_file):
         time.sleep(0.05)
     threading.Event().wait()
@@ -152,11 +172,21 @@ def test_a_failing_or_overrunning_part_costs_only_its_own_numbers():
 
 @pytest.mark.timeout(300)
 def test_a_part_past_its_budget_is_killed_with_the_children_it_spawned(tmp_path):
-    """The part's child ignores SIGTERM; the part's whole process group is killed, so nothing is left."""
+    """The part's child ignores SIGTERM; the part's whole process group is killed, so nothing is left. The
+    part here is a bare python (run_part's start_group and wait_group, without the torch import of
+    runner._child that the other tests cover): its budget starts once the child is up, so the test does not
+    wait out a budget sized for a loaded machine's start-up."""
+    from gpu_parts.runner import start_group, wait_group
+
     pid_file = tmp_path / "child.pid"
-    r = gpu_check.run_part("stubborn", _stubborn_part, (str(pid_file),), 90)
-    assert "ran past its budget" in r["error"], r
-    assert pid_file.exists(), "the part was killed before its child started: the test proved nothing"
+    part = ("import subprocess, sys, threading; subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]]); "
+            "threading.Event().wait()")
+    proc = start_group([sys.executable, "-c", part, _STUBBORN_CHILD, str(pid_file)])
+    deadline = time.monotonic() + 120
+    while not pid_file.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert pid_file.exists(), "the part's child never started: the test proved nothing"
+    assert wait_group(proc, 0.5) is True  # past its budget: SIGTERM to the group, SIGKILL after the grace
     pid = int(pid_file.read_text())
     deadline = time.monotonic() + 30  # generous: SIGKILL is immediate, reaping by init may lag a little
     while _alive(pid) and time.monotonic() < deadline:
@@ -204,6 +234,22 @@ def test_dry_run_prints_the_plan_and_fails_when_the_budgets_do_not_fit():
     assert run("--part-budget", "nosuch=3").returncode == 2
     long = run("--budget-s", "590")
     assert long.returncode == 2 and "does not fit one 600-s device command" in long.stdout, long.stdout
+
+
+def test_the_warm_up_compiles_on_the_actor_parts_own_rows():
+    """The warm-up's calls are the actor parts' (same model, rows, recompute, parity pass): the parts' graphs
+    are the ones in the cache (gpu_parts/warmup.py)."""
+    from gpu_parts.actor_part import actor_part
+    from gpu_parts.warmup import ACTOR_ARGS
+
+    for smoke in (False, True):
+        parts = {p.name: p for p in gpu_check.plan(smoke, te=False)}
+        specs = [{k: v for k, v in s.items() if k in ACTOR_ARGS} for s in parts["warmup"].fn.args[0]]
+        actors = [{k: v for k, v in p.fn.keywords.items() if k in ACTOR_ARGS} for p in parts.values()
+                  if isinstance(p.fn, functools.partial) and p.fn.func is actor_part]
+        assert specs == actors and len(actors) == 2, (specs, actors)
+        names = list(parts)
+        assert names.index("warmup") < min(names.index("qwen3_1p7b"), names.index("qwen3_4b"))
 
 
 def test_every_gpu_plan_fits_the_default_total_and_one_device_command():
@@ -289,25 +335,27 @@ def test_a_stopped_check_keeps_the_finished_parts_numbers(tmp_path):
     device command's limit) still leaves the parts that finished before it."""
     out = tmp_path / "s.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_blocker(tmp_path)), str(REPO)]))
-    proc = subprocess.Popen([sys.executable, "benchmarks/gpu_check.py", "--smoke", "--parts", "hf_1p7b,qwen3_4b",
-                             "--out", str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    # hf_1p7b finishes, qwen3_4b runs past a 1-s budget and is killed, then the check is stopped in hf_4b
+    proc = subprocess.Popen([sys.executable, "benchmarks/gpu_check.py", "--smoke", "--parts",
+                             "hf_1p7b,qwen3_4b,hf_4b", "--part-budget", "qwen3_4b=1", "--out", str(out)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         deadline = time.monotonic() + 300
         s: dict = {}
         while time.monotonic() < deadline and proc.poll() is None:
             if out.exists():
                 s = json.loads(out.read_text())  # never half-written: replaced atomically
-                if s.get("running") == "qwen3_4b":
+                if s.get("running") == "hf_4b":
                     break
             time.sleep(0.2)
-        assert s.get("running") == "qwen3_4b", s
-        proc.terminate()  # during qwen3_4b: its numbers are lost, hf_1p7b's are not
+        assert s.get("running") == "hf_4b", s
+        proc.terminate()  # during hf_4b: its numbers are lost, hf_1p7b's are not
         proc.wait(timeout=60)
     finally:
         proc.kill()
     s = json.loads(out.read_text())
-    assert s["complete"] is False and s["running"] == "qwen3_4b"
-    assert s["parts"]["hf_1p7b"]["tokens_per_s"] > 0 and "qwen3_4b" not in s["parts"]
+    assert s["complete"] is False and s["running"] == "hf_4b"
+    assert s["parts"]["hf_1p7b"]["tokens_per_s"] > 0 and "hf_4b" not in s["parts"]
+    assert "ran past its budget of 1 s" in s["parts"]["qwen3_4b"]["error"], s["parts"]["qwen3_4b"]
     assert "foreach" in s["optimizers"]["actor"] and "fused" in s["optimizers"]["hf_peer"]
     assert s["goals"]["goals"]  # judged on what finished

@@ -5,7 +5,8 @@
 # device command (600 s at most) holds it and a 15-minute device lease has room to rerun failed parts.
 #   tools/gpu_check.sh [--out FILE] [--parts qwen3_1p7b,hf_1p7b,...]   # any benchmarks/gpu_check.py option
 #   tools/gpu_check.sh --dry-run           # any machine: the plan and its budgets; exit 2 if they don't fit
-#   tools/gpu_check.sh --download-wheels   # on a machine with network: megatron-core's wheel into .whl/
+#   tools/gpu_check.sh --download-wheels   # on a machine with network: megatron-core's wheel into .whl/ (fails
+#                                          # past 48 MiB: carry takes 64 MiB in all)
 # The GPU machine may be bare and offline: benchmarks/gpu_check.py installs megatron-core from .whl/ (git-ignored)
 # when it is not importable. PYTHON selects the interpreter (default python3).
 set -euo pipefail
@@ -16,13 +17,13 @@ if [ "${1:-}" = "--download-wheels" ]; then
   "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "megatron-core==$ver"
-  # .whl/ travels to the device machine with `carry`, which takes 64 MiB in all (megatron-core 0.19.2: 2.3 MB)
-  size=$(du -sm .whl | cut -f1)
-  if [ "$size" -gt 48 ]; then
-    echo "gpu_check.sh: .whl/ is ${size} MiB; carry takes 64 MiB in all: remove old wheels from .whl/" >&2
+  # .whl/ travels to the device machine with `carry`, which takes 64 MiB in all: at most 48 MiB of it here
+  # (gpu_parts/wheels.py wheel_dir_problem; megatron-core 0.19.2: 2.3 MB). `--dry-run` checks it too.
+  if ! "$PY" -c 'import sys; sys.path.insert(0, "benchmarks"); from gpu_parts.wheels import wheel_dir_problem as p
+e = p(); print("gpu_check.sh: " + e, file=sys.stderr) if e else None; sys.exit(2 if e else 0)'; then
     exit 2
   fi
-  echo ".whl/: ${size} MiB ($(ls .whl | tr '\n' ' '))"
+  echo ".whl/: $(du -sh .whl | cut -f1) ($(ls .whl | tr '\n' ' '))"
   exit 0
 fi
 export PYTHONUNBUFFERED=1

@@ -16,7 +16,6 @@ def actor_part(model_name: str, smoke: bool, rows: int, row_tokens: int, reps: i
     multiple of 16), or the earlier batch of `legacy_seqs` sequences (the 4,096-token comparison)."""
     import torch
 
-    from gpu_parts import rows as R
     from m2po_megatron.actor.actor import MegatronActor
     from m2po_megatron.actor.packing import plan_microbatches
     from m2po_megatron.models.memory import estimate_gpu_memory
@@ -25,11 +24,7 @@ def actor_part(model_name: str, smoke: bool, rows: int, row_tokens: int, reps: i
     on_gpu = cuda()
     dev = torch.device("cuda" if on_gpu else "cpu")
     cfg = model_config(model_name, smoke)
-    if legacy_seqs:
-        batch = R.legacy_batch(legacy_seqs, cfg["vocab_size"], row_tokens)
-    else:
-        batch = R.rollout_batch(rows, row_tokens, cfg["vocab_size"], seed=0, scale=row_tokens / R.RECIPE_ROW,
-                                ragged_multiple=16 if ragged else None)
+    batch = part_batch(cfg, rows, row_tokens, legacy_seqs, ragged)
     plan = plan_microbatches(batch, list(range(len(batch))), row_tokens)
     out: dict = {"model": "tiny" if smoke else model_name, "tokens": sum(batch.lengths), "seqs": len(batch),
                  "micro_batch_tokens": row_tokens, "microbatches": len(plan),
@@ -37,16 +32,15 @@ def actor_part(model_name: str, smoke: bool, rows: int, row_tokens: int, reps: i
     if ragged:
         out["rows_multiple_of_16"] = sum(1 for m in plan if m.seq_len % 16 == 0)
     precision = "bf16" if on_gpu else "fp32"
-    kw = dict(hf_config=cfg, params_dtype=precision, micro_batch_tokens=row_tokens, lr=1e-6, loss_name="m2po",
-              attention_backend=attention_backend, fp8=fp8, fp8_recipe="tensorwise" if fp8 else None, seed=0,
-              recompute_granularity=recompute)
+    kw = actor_kwargs(cfg, precision, row_tokens, recompute, attention_backend, fp8)
     if parity:
         out["parity"], actor = _parity(cfg, kw, dev)
     else:
         actor = MegatronActor(**kw)
     out["attention_backend"] = actor.attention_backend
-    dt, done, m = time_steps(lambda: actor.train_step(batch), reps, deadline)
-    out.update(step_s=round(dt, 3), timed_steps=done, tokens_per_s=round(out["tokens"] / dt, 1), loss=m["loss"],
+    dt, done, m, first = time_steps(lambda: actor.train_step(batch), reps, deadline)
+    out.update(step_s=round(dt, 3), first_step_s=round(first, 2), timed_steps=done,
+               tokens_per_s=round(out["tokens"] / dt, 1), loss=m["loss"],
                grad_norm=m["grad_norm"], finite=bool(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])))
     est = estimate_gpu_memory(cfg, micro_batch_tokens=max(out["row_lengths"]), params_dtype=precision,
                               fp8=bool(fp8), attention_backend=actor.attention_backend, recompute=recompute)
@@ -69,18 +63,43 @@ def actor_part(model_name: str, smoke: bool, rows: int, row_tokens: int, reps: i
     return out
 
 
+def part_batch(cfg: dict, rows: int, row_tokens: int, legacy_seqs: int = 0, ragged: bool = False):
+    """The part's mini-batch: `rows` packed rollout-like rows (seed 0), or the earlier `legacy_seqs` batch. The
+    warm-up (gpu_parts/warmup.py) compiles on exactly these rows, so the parts' graphs are in the cache."""
+    from gpu_parts import rows as R
+
+    if legacy_seqs:
+        return R.legacy_batch(legacy_seqs, cfg["vocab_size"], row_tokens)
+    return R.rollout_batch(rows, row_tokens, cfg["vocab_size"], seed=0, scale=row_tokens / R.RECIPE_ROW,
+                           ragged_multiple=16 if ragged else None)
+
+
+def parity_batch(cfg: dict, row_tokens: int):
+    """The 8 rollout-like sequences of the log-prob parity check (at most 1,024 tokens each)."""
+    from gpu_parts import rows as R
+
+    n = min(1024, row_tokens)
+    return R.make_batch(R.draw_lengths(8, seed=1, max_len=n, response_range=(min(200, n // 2), n)),
+                        cfg["vocab_size"], seed=1)
+
+
+def actor_kwargs(cfg: dict, precision: str, row_tokens: int, recompute: str | None = None,
+                 attention_backend: str = "auto", fp8: str | None = None) -> dict:
+    """MegatronActor's arguments in the actor parts (and the warm-up's: the same kernels get compiled)."""
+    return dict(hf_config=cfg, params_dtype=precision, micro_batch_tokens=row_tokens, lr=1e-6, loss_name="m2po",
+                attention_backend=attention_backend, fp8=fp8, fp8_recipe="tensorwise" if fp8 else None, seed=0,
+                recompute_granularity=recompute)
+
+
 def _parity(cfg: dict, actor_kw: dict, dev):
     """Mean and max |log p - log p_HF fp32| over the response tokens of 8 rollout-like sequences for the actor
     (built from the HF weights; bf16 on a GPU) and for HF itself in bf16. Returns (numbers, actor)."""
     import torch
 
-    from gpu_parts import rows as R
     from m2po_megatron.actor.actor import MegatronActor
 
     hf = hf_model(cfg, dev, torch.float32).eval()
-    n = min(1024, actor_kw["micro_batch_tokens"])
-    batch = R.make_batch(R.draw_lengths(8, seed=1, max_len=n, response_range=(min(200, n // 2), n)),
-                         cfg["vocab_size"], seed=1)
+    batch = parity_batch(cfg, actor_kw["micro_batch_tokens"])
 
     @torch.no_grad()
     def hf_lp(model):

@@ -50,10 +50,10 @@ def gib(x: float) -> float:
     return round(x / 1024**3, 2)
 
 
-def time_steps(step, reps: int, deadline: float) -> tuple[float, int, dict]:
+def time_steps(step, reps: int, deadline: float) -> tuple[float, int, dict, float]:
     """Mean seconds of `step()` over up to `reps` calls after one warm-up call (compiles, optimizer state),
     fewer when the next call would pass `deadline` (time.monotonic); at least one. Resets the CUDA peak
-    memory after the warm-up. Returns (seconds, calls timed, last result)."""
+    memory after the warm-up. Returns (seconds, calls timed, last result, seconds of the warm-up call)."""
     import torch
 
     t0 = time.monotonic()
@@ -70,7 +70,7 @@ def time_steps(step, reps: int, deadline: float) -> tuple[float, int, dict]:
         per = (time.monotonic() - t0) / done
         if time.monotonic() + per > deadline - 0.1 * warm:
             break
-    return (time.monotonic() - t0) / done, done, m
+    return (time.monotonic() - t0) / done, done, m, warm
 
 
 def count_syncs(fn) -> dict:

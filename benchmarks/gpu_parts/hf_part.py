@@ -27,10 +27,11 @@ def hf_part(model_name: str, smoke: bool, rows: int, row_tokens: int, reps: int,
         batch = R.rollout_batch(rows, row_tokens, cfg["vocab_size"], seed=0, scale=row_tokens / R.RECIPE_ROW)
     model = hf_model(cfg, dev, torch.bfloat16 if on_gpu else torch.float32)
     peer = HFPeer(model, batch, row_tokens, recompute=recompute == "full")
-    dt, done, m = time_steps(peer.step, reps, deadline)
+    dt, done, m, first = time_steps(peer.step, reps, deadline)
     tokens = sum(batch.lengths)
     out = {"tokens": tokens, "padded_tokens": peer.padded_tokens, "microbatches": m["num_microbatches"],
-           "step_s": round(dt, 3), "timed_steps": done, "tokens_per_s": round(tokens / dt, 1), "loss": m["loss"],
+           "step_s": round(dt, 3), "first_step_s": round(first, 2), "timed_steps": done,
+           "tokens_per_s": round(tokens / dt, 1), "loss": m["loss"],
            "grad_norm": m["grad_norm"], "recompute": recompute, "precision": PRECISION,
            "compute_dtype": str(next(model.parameters()).dtype)}
     if on_gpu:

@@ -101,6 +101,8 @@ def gpu_tests_part(budget_s: float, collect_only: bool) -> dict:
                *(["--collect-only"] if collect_only else []), *GPU_TEST_FILES]
         env = dict(os.environ,
                    PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        # no dynamo profile from earlier runs (gpu_check's job id): the tests count their own compiles
+        env.pop("TORCH_COMPILE_JOB_ID", None)
         t0 = time.perf_counter()
         with open(logp, "wb") as logf:
             proc = start_group(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT)

@@ -13,6 +13,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 WHEEL_DIR = REPO / ".whl"
+# .whl/ travels to the device machine in `carry`, which takes 64 MiB in all (every carried path together):
+# .whl/ may use 48 MiB of it (megatron-core 0.19.2's wheel: 2.3 MB)
+CARRY_LIMIT_MIB = 64
+WHEEL_DIR_LIMIT_MIB = 48
 DOWNLOAD = ("python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "
             "--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 "
             "--platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl megatron-core=={version}")
@@ -72,3 +76,18 @@ def _safe_find(module: str):
         return importlib.util.find_spec(module)
     except (ImportError, ValueError):
         return None
+
+
+def wheel_dir_problem(wheel_dir: Path = WHEEL_DIR, limit_mib: float = WHEEL_DIR_LIMIT_MIB) -> str | None:
+    """Why `wheel_dir` cannot travel with the checkout (None when it can): more than limit_mib MiB in files."""
+    if not wheel_dir.is_dir():
+        return None
+    files = [f for f in wheel_dir.rglob("*") if f.is_file()]
+    size = sum(f.stat().st_size for f in files) / 2**20
+    if size <= limit_mib:
+        return None
+    largest = sorted(files, key=lambda f: -f.stat().st_size)[:4]
+    big = ", ".join(f"{f.name} {f.stat().st_size / 2**20:.1f}" for f in largest)
+    return (f"{wheel_dir} holds {size:.1f} MiB (largest, MiB: {big}); it travels in `carry`, which takes "
+            f"{CARRY_LIMIT_MIB} MiB in all, so it may hold {limit_mib:.0f} MiB: remove the wheels gpu_check does "
+            f"not need (it needs megatron-core only) and run tools/gpu_check.sh --download-wheels again")
