@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from m2po_megatron.infra.device import device
+from m2po_megatron.infra.device import device, rehearsing
 
 from . import checkpoint
 from .batch import TrainBatch
@@ -183,10 +183,7 @@ class MegatronActor:
             raise ValueError("sequence_parallel=True needs the Transformer Engine layer spec (attention_backend "
                              "'te' on a GPU): megatron-core's local layers use torch norms, which refuse sequence "
                              "parallelism; set sequence_parallel=False")
-        from m2po_megatron.infra.device import rehearsing
-
-        # a rehearsal (m2po rehearse) traces the GPU's bf16 on fake CPU tensors
-        self.precision = resolve_precision(params_dtype, fp8, fp8_recipe, cuda=cuda or rehearsing(),
+        self.precision = resolve_precision(params_dtype, fp8, fp8_recipe, cuda=cuda or rehearsing(),  # fake bf16
                                            te_available=te, compute_capability=cc)
         if self.precision.fp8 and self.attention_backend != "te":
             raise ValueError(f"fp8 runs on Transformer Engine layers: set attention_backend='te' (or 'auto'), "

@@ -38,22 +38,18 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from m2po_megatron.config import load_config
+    from m2po_megatron.config import ConfigError, load_config
     from m2po_megatron.config.validation import model_hf_config
     from m2po_megatron.rehearse import NOT_TRACED
     from m2po_megatron.rehearse.plan import minibatch_seqs, report, run_roles, traced_kwargs, verdict
 
     if args.jobs < 1 or args.timeout_s <= 0 or args.tolerance <= 0 or (
             args.max_microbatches is not None and args.max_microbatches < 1):
-        from m2po_megatron.config import ConfigError
-
         raise ConfigError("--jobs and --max-microbatches must be >= 1, --timeout-s and --tolerance > 0")
     cfg = load_config(args.recipe, args.overrides, check_files=False)
     try:
         kw, changed = traced_kwargs(cfg)
     except ValueError as e:
-        from m2po_megatron.config import ConfigError
-
         raise ConfigError(str(e)) from None
     hf = model_hf_config(cfg)
     p = cfg.parallel
