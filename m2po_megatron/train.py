@@ -111,7 +111,8 @@ def train(cfg: DictConfig) -> Path:
                 sb = build_batch(cfg, groups, version, ledger)  # advantages, staleness gating, ledger
             t1 = time.perf_counter()
             out = train_on(cfg, trainers, sb.batch)
-            out.update(logprob_mismatch(sb.samples, out.pop("per_update", None), version, out))
+            updates = out.pop("per_update", None)  # each optimizer update's own metrics, logged as a list
+            out.update(logprob_mismatch(sb.samples, updates, version, out))
             t_train = time.perf_counter() - t1
             trace.complete("wait_rollout", "loop", t0, t0 + t_wait, tid="loop")
             trace.complete("train_step", "loop", t1, t1 + t_train, tid="loop", args={"step": step})
@@ -137,7 +138,7 @@ def train(cfg: DictConfig) -> Path:
             metrics = {"version": version, **sb.metrics, **out, **accounting, **gen.rewards, **gen.extra,
                        **sync_stats,
                        "time/wait_rollout": t_wait, "time/train": t_train, "time/weight_sync": t_sync,
-                       "time/step": time.perf_counter() - t0,
+                       "time/step": time.perf_counter() - t0, **({"updates": updates} if updates else {}),
                        "tokens_per_s/train": sb.metrics.get("batch/tokens", 0) / max(t_train, 1e-9),
                        "tokens_per_s/gen": gen.tokens_per_s}
             if eval_now:
@@ -167,7 +168,8 @@ def train(cfg: DictConfig) -> Path:
             if evaluator.enabled and not evaluator.due(step):  # not evaluated at this step yet
                 if weights.synced != version:
                     weights.push(version)
-                logger.log(evaluator(step), step=step)
+                with trace.span("eval", "eval", tid="loop", step=step):
+                    logger.log(evaluator(step), step=step)
     finally:
         stop.leaving = True  # a signal now cannot cut the cleanup short (a hung one still ends)
         for closer in (generator, rewards, client):

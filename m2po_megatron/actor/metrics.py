@@ -9,7 +9,7 @@ import torch
 
 from m2po_megatron.algo.distributed import all_reduce_partials
 from m2po_megatron.algo.losses import read_loss_stats
-from m2po_megatron.algo.metrics import from_partials, sum_partials
+from m2po_megatron.algo.metrics import MAX_KEYS, MIN_KEYS, from_partials, sum_partials
 from m2po_megatron.algo.rollout_correction import read_stats
 
 # Step metrics summed over a step's updates (the rest are means over updates, except the keys below).
@@ -81,9 +81,9 @@ def combine_updates(per_update: list[dict], updates_applied: int) -> dict:
         vals = [u[k] for u in per_update if k in u]
         if k in _SUMMED:
             out[k] = sum(vals)
-        elif k == "ratio/max":
+        elif k in MAX_KEYS:
             out[k] = max(vals)
-        elif k == "ratio/min":
+        elif k in MIN_KEYS:
             out[k] = min(vals)
         elif k == "update_successful":
             continue

@@ -49,7 +49,7 @@ DEFAULT_AGG = {"m2po": "token-mean", "grpo": "token-mean", "grpo_notr": "token-m
 _CHECKED = ("log_prob", "behav_log_prob", "advantages")
 # The device vector of LossStats: these sums and counts, then the non-finite counts of _CHECKED.
 _STATS = ("loss", "sum_v_tr", "n_tr", "sum_v_kept", "n_kept", "n_masked", "n_clip", "n_dual", "ratio_sum",
-          "ratio_min", "ratio_max", "k1_sum", "k3_sum", "n_tokens", "n_seqs")
+          "ratio_min", "ratio_max", "k1_sum", "k3_sum", "n_tokens", "n_seqs", "kept_min", "kept_max")
 
 
 @dataclass
@@ -157,8 +157,11 @@ def policy_loss(
 
     Returns:
         (loss, metrics). Metric keys: loss, m2po/m2_before, m2po/m2_after, m2po/masked_frac,
-        m2po/num_trust_region, clip_frac, dual_clip_frac, ratio/mean, ratio/min, ratio/max, kl/k1, kl/k3,
-        count/tokens, count/kept_trust_region (and count/seqs when sequences are known). kl/k1 and kl/k3
+        m2po/num_trust_region, clip_frac, dual_clip_frac, ratio/mean, ratio/min, ratio/max, ratio/kept_min,
+        ratio/kept_max, kl/k1, kl/k3, count/tokens, count/kept_trust_region (and count/seqs when sequences are
+        known). ratio/min and ratio/max range over every valid token; ratio/kept_* only over the tokens the
+        trust region keeps (M2PO's mask, PPO's clip and the dual clip; for grpo_notr every valid token), i.e.
+        the ratios that can still reach the gradient. kl/k1 and kl/k3
         estimate KL(pi_behav || pi_theta) from the behaviour samples: k1 = -log r, k3 = r - 1 - log r.
         M2 diagnostics are reported for every loss (for non-m2po losses nothing is masked). Combine the
         dicts of several micro-batches with metrics.reduce_metrics, of several ranks with
@@ -289,8 +292,15 @@ def _stats(loss, lr, valid, n, n_seqs, tr, keep, clipped, dual, bad) -> Tensor:
     kept_tr = tr & keep
     r = torch.exp(lr).to(f64)
     inf = torch.full_like(r, math.inf)
-    rmin = torch.where(valid, r, inf).min() if r.numel() else torch.tensor(math.inf, dtype=f64, device=r.device)
-    rmax = torch.where(valid, r, -inf).max() if r.numel() else torch.tensor(-math.inf, dtype=f64, device=r.device)
+    kept = valid & keep & ~clipped & ~dual
+
+    def extreme(where, fill, fn):  # min or max of r over `where`; +-inf when empty (as for no tokens)
+        if not r.numel():
+            return torch.tensor(math.inf if fn is torch.min else -math.inf, dtype=f64, device=r.device)
+        return fn(torch.where(where, r, fill))
+
+    rmin, rmax = extreme(valid, inf, torch.min), extreme(valid, -inf, torch.max)
+    kmin, kmax = extreme(kept, inf, torch.min), extreme(kept, -inf, torch.max)
     zero = torch.zeros((), dtype=f64, device=r.device)
     return torch.cat([torch.stack([
         loss.detach().to(f64),
@@ -298,13 +308,13 @@ def _stats(loss, lr, valid, n, n_seqs, tr, keep, clipped, dual, bad) -> Tensor:
         (v * kept_tr).sum(), kept_tr.sum().to(f64),
         (~keep & valid).sum().to(f64), clipped.sum().to(f64), dual.sum().to(f64),
         torch.where(valid, r, zero).sum(), rmin, rmax, (-lr64).sum(), torch.where(valid, r - 1 - lr64, zero).sum(),
-        n.to(f64), (n_seqs if n_seqs is not None else torch.full((), -1, device=r.device)).to(f64),
+        n.to(f64), (n_seqs if n_seqs is not None else torch.full((), -1, device=r.device)).to(f64), kmin, kmax,
     ]), bad.to(f64)])
 
 
 def _metrics_from_row(row: list[float], has_seqs: bool) -> dict[str, float]:
     (loss_v, sv, nt, sv_kept, n_kept, n_masked, n_clip, n_dual, rsum, rmin, rmax, k1, k3, n,
-     n_seqs) = row[:len(_STATS)]
+     n_seqs, kmin, kmax) = row[:len(_STATS)]
 
     def mean(s, c):
         return s / c if c > 0 else 0.0
@@ -320,6 +330,8 @@ def _metrics_from_row(row: list[float], has_seqs: bool) -> dict[str, float]:
         "ratio/mean": mean(rsum, n),
         "ratio/min": rmin if n else math.inf,
         "ratio/max": rmax if n else -math.inf,
+        "ratio/kept_min": kmin,
+        "ratio/kept_max": kmax,
         "kl/k1": mean(k1, n),
         "kl/k3": mean(k3, n),
         "count/tokens": float(n),

@@ -5,7 +5,7 @@ Each mean-type metric carries its weight in a count key, so combined means are e
                          otherwise pass loss="mean"), m2po/num_trust_region and the count/* keys;
   - weighted means:      m2po/m2_before by m2po/num_trust_region, m2po/m2_after by count/kept_trust_region,
                          every other fraction / mean / KL estimate by count/tokens;
-  - extremes:            ratio/min (min), ratio/max (max);
+  - extremes:            ratio/min, ratio/kept_min (min), ratio/max, ratio/kept_max (max);
   - any other key:       plain mean over the dicts.
 """
 
@@ -25,8 +25,8 @@ MEAN_WEIGHT = {
     "kl/k1": "count/tokens",
     "kl/k3": "count/tokens",
 }
-MIN_KEYS = ("ratio/min",)
-MAX_KEYS = ("ratio/max",)
+MIN_KEYS = ("ratio/min", "ratio/kept_min")
+MAX_KEYS = ("ratio/max", "ratio/kept_max")
 
 
 def to_partials(metrics: dict[str, float], loss: str = "sum") -> tuple[dict[str, float], dict[str, float], dict[str, float]]:

@@ -192,6 +192,7 @@ class OptimSection:
 @dataclass
 class EvalSection:
     interval: int = 50  # steps; 0 = only before and after training
+    steps: list[int] = field(default_factory=list)  # more steps to evaluate at, beside every `interval`
     n_samples: int = 4
     n_samples_overrides: dict[str, int] = field(default_factory=lambda: {"aime24": 16, "aime25": 16})
     temperature: float = 1.0

@@ -121,6 +121,10 @@ def validate(cfg: DictConfig, check_files: bool = True) -> None:
             errors.append(f"{path} = {v!r} must be >= 0")
     if not 0 < cfg.rollout.top_p <= 1:
         errors.append(f"rollout.top_p = {cfg.rollout.top_p} must be in (0, 1]")
+    steps = _get(cfg, "eval.steps") or []
+    if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in steps):
+        errors.append(f"eval.steps = {list(steps)!r} must be a list of steps >= 1 (step 0 is always evaluated), "
+                      f"e.g. [4, 8, 16]")
     if not 0 < cfg.eval.top_p <= 1:
         errors.append(f"eval.top_p = {cfg.eval.top_p} must be in (0, 1]")
     for b in ("adam_beta1", "adam_beta2"):

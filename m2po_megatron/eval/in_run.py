@@ -25,9 +25,10 @@ class Evaluator:
         self.enabled = bool(eval_sets)
 
     def due(self, step: int) -> bool:
-        """An evaluation at this step by eval.interval (0: only before and after training)."""
+        """An evaluation at this step by eval.interval (0: only before and after training) or eval.steps."""
         interval = self.cfg.eval.interval
-        return self.enabled and interval > 0 and step % interval == 0
+        listed = step in (self.cfg.eval.get("steps") or ())
+        return self.enabled and (listed or (interval > 0 and step % interval == 0))
 
     def __call__(self, step: int) -> dict:
         """Evaluate, print the accuracy; returns the metrics to log."""

@@ -18,6 +18,10 @@ from m2po_megatron.config import is_secret, redact
 
 
 def _plain(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):  # e.g. a step's per-update metrics
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items() if not is_secret(k)}
     if hasattr(v, "item") and callable(v.item):  # torch / numpy scalars
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):

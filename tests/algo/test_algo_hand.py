@@ -101,6 +101,8 @@ def test_grpo_clip_loss_and_gradient_by_hand():
     torch.testing.assert_close(lp.grad, t([0, 0, -2 / 3, 0]))
     assert m["clip_frac"] == pytest.approx(2 / 3)
     assert m["ratio/max"] == pytest.approx(math.exp(0.5), rel=1e-6)
+    # Both clipped tokens leave the kept range: only r = 1 is left (the padding's r = e^5 is in neither).
+    assert (m["ratio/kept_min"], m["ratio/kept_max"]) == (pytest.approx(1.0), pytest.approx(1.0))
     # k1 = mean(-log r) = 0; k3 = mean(r - 1 - log r) = (e^.5 - 1.5 + e^-.5 - .5 + 0) / 3
     assert m["kl/k1"] == pytest.approx(0.0, abs=1e-7)
     assert m["kl/k3"] == pytest.approx((math.exp(0.5) - 1.5 + math.exp(-0.5) - 0.5) / 3, rel=1e-6)
@@ -123,6 +125,9 @@ def test_m2po_masked_tokens_stay_in_denominator_and_dual_clip():
     assert m["m2po/m2_before"] == pytest.approx((1 / 4 + 1 / 64) / 2)
     assert m["m2po/m2_after"] == pytest.approx(1 / 64)
     assert m["m2po/num_trust_region"] == 2
+    # The dropped r = e^{1/2} is in the whole range, not the kept one; r = 5 is kept (outside T).
+    assert m["ratio/max"] == pytest.approx(5.0, rel=1e-6)
+    assert (m["ratio/kept_min"], m["ratio/kept_max"]) == (pytest.approx(math.exp(0.125)), pytest.approx(5.0))
 
     lp.grad = None
     loss, m = policy_loss("m2po", lp, blp, adv, mask, tau=0.04, dual_clip=3.0)
@@ -130,6 +135,7 @@ def test_m2po_masked_tokens_stay_in_denominator_and_dual_clip():
     assert loss.item() == pytest.approx((-math.exp(0.125) + 3.0) / 3, rel=1e-6)
     torch.testing.assert_close(lp.grad, t([0.0, -math.exp(0.125) / 3, 0.0]))
     assert m["dual_clip_frac"] == pytest.approx(1 / 3)
+    assert (m["ratio/kept_min"], m["ratio/kept_max"]) == (pytest.approx(math.exp(0.125)),) * 2  # r = 5 dual-clipped
 
 
 def test_gspo_sequence_ratio_by_hand():

@@ -72,6 +72,7 @@ def test_wrong_type_names_field():
     ("parallel.recompute_granularity=layer", "parallel.recompute_granularity"),
     ("parallel.recompute_method=blocks", "did you mean 'block'"),
     ("parallel.recompute_num_layers=0", "parallel.recompute_num_layers"),
+    ("eval.steps=[4,0]", "eval.steps"),
 ])
 def test_range_and_choice_rules(override, needle):
     assert needle in err(None, [override])

@@ -57,7 +57,7 @@ def test_bounded_dp2_with_eval_and_checkpoint(tiny_task, tmp_path, small_eval):
         tiny_task, tmp_path, "bounded", "parallel.tensor_model_parallel_size=1", "parallel.data_parallel_size=2",
         "parallel.use_distributed_optimizer=true", "staleness.mode=bounded", "staleness.max_staleness=2",
         "staleness.sync_interval=2", "train.steps=3",
-        f"data.eval_paths=[{small_eval}]", "eval.interval=3", "eval.n_samples=2"))
+        f"data.eval_paths=[{small_eval}]", "eval.interval=0", "eval.steps=[2]", "eval.n_samples=2"))
     ok(p)
     run = tmp_path / "bounded"
     rows = steps(run)
@@ -69,18 +69,23 @@ def test_bounded_dp2_with_eval_and_checkpoint(tiny_task, tmp_path, small_eval):
                 "reward/mean", "response_length/mean", "staleness/token_mean", "tokens_per_s/gen",
                 "tokens_per_s/train", "time/wait_rollout", "time/train", "time/weight_sync"):
         assert key in rows[-1], key
+    for r in rows:  # each optimizer update's own metrics, beside the step's means and extremes
+        ups = r["updates"]
+        assert len(ups) == 2 and all("ratio/kept_max" in u and "m2po/masked_frac" in u for u in ups), ups
+        assert r["clip_frac"] == pytest.approx(sum(u["clip_frac"] for u in ups) / 2)
+        assert r["ratio/max"] == max(u["ratio/max"] for u in ups)
     evals = [r for r in read_metrics(run / "metrics.jsonl") if "eval/avg/pass@1" in r]
-    assert [r["step"] for r in evals] == [0, 3]
+    assert [r["step"] for r in evals] == [0, 2, 3]  # the start, eval.steps, the end
     for r in evals:  # printed as well as logged
         assert f"[m2po] eval at step {r['step']}: pass@1 {r['eval/avg/pass@1']:.1f}% (tiny_eval " in p.stdout, p.stdout
     assert (run / "eval" / "step_000003.csv").exists()
     placement = json.loads((run / "placement.json").read_text())
     assert sorted(n["rank"] for n in placement["trainer"]) == [0, 1]
     assert (run / "config.yaml").exists() and list((run / "checkpoints").glob("step_0000003/COMPLETE"))
-    assert_timeline(run, steps=3, updates=2, ranks=2, groups=3 * 8)
+    assert_timeline(run, steps=3, updates=2, ranks=2, groups=3 * 8, evals=3)
 
 
-def assert_timeline(run: Path, steps: int, updates: int, ranks: int, groups: int) -> None:
+def assert_timeline(run: Path, steps: int, updates: int, ranks: int, groups: int, evals: int = 2) -> None:
     """RUN_DIR/trace.json: the loop's, every rank's and every request's spans, nested as they ran; `groups`
     requests at least (the consumed groups')."""
     doc = json.loads((run / "trace.json").read_text())
@@ -93,7 +98,7 @@ def assert_timeline(run: Path, steps: int, updates: int, ranks: int, groups: int
     by = lambda proc, name, tid=None: [e for e in xs if procs[e["pid"]] == proc and e["name"] == name  # noqa: E731
                                        and (tid is None or e["tid"] == tid)]
     assert len(by("loop", "wait_rollout")) == steps and len(by("loop", "train_step")) == steps
-    assert len(by("loop", "eval")) == 2
+    assert len(by("loop", "eval")) == evals
     assert by("loop", "checkpoint") and by("trainer rank 0", "checkpoint") and by("trainer rank 1", "checkpoint")
     for name in ("weight_sync", "pause", "push", "resume"):
         assert by("loop", name), name
