@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-sglang setup clean toy-table1 toy-table1-fair
+.PHONY: demo test test-sglang setup clean toy-table1 toy-table1-fair toy-calibration
 
 setup:
 	@VENV=$(VENV) tools/bootstrap.sh
@@ -23,6 +23,13 @@ toy-table1-fair: setup
 		--target-accuracy 0.35 --check-every 10 --n-eval 256 --n-train 256 --disjoint-train --uniform-splits
 	$(PY) -m m2po_megatron.cli sweep recipes/sweeps/toy-table1-fair.yaml --local -j 2
 	$(PY) -m m2po_megatron.cli report runs/toy-table1-fair --out runs/toy-table1-fair/report
+
+# The pre-registered calibration of issue 34 (docs/reproduce.md): 30 runs of 100 steps, then the criteria.
+toy-calibration: setup
+	@test -f .cache/tiny-task-fair/build_info.json || $(PY) tools/build_tiny_model.py .cache/tiny-task-fair --seed 0 \
+		--target-accuracy 0.35 --check-every 10 --n-eval 256 --n-train 256 --disjoint-train --uniform-splits
+	$(PY) -m m2po_megatron.cli sweep recipes/sweeps/toy-calibration.yaml --local -j 2
+	$(PY) -m m2po_megatron.cli report results/toy-calibration --calibration
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
