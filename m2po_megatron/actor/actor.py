@@ -461,8 +461,7 @@ class MegatronActor:
 
     @torch.no_grad()  # megatron's forward_only does not disable autograd; without this it keeps the graph
     def _global_keep_masks(self, mb_batch: TrainBatch, shard: list[int], mbs: list[MicroBatch]):
-        """No-grad forward at the current weights, then the M2PO mask over the whole mini-batch across DP
-        ranks (actor.global_mask). Returns ({id(micro-batch): keep[R_mb]}, stats)."""
+        """No-grad forward at current weights; the M2PO mask over the mini-batch on all DP ranks: (masks, stats)."""
         cur: dict[int, torch.Tensor] = {}
 
         def loss_fn(mb, model_out):
@@ -474,7 +473,8 @@ class MegatronActor:
         self._run(mbs, loss_fn, forward_only=True)
         if not self.is_last_stage:
             return {}, {}
-        return m2po_keep_masks(mb_batch, mbs, cur, tau=self.m2po_tau, rule=self.m2po_rule, dp_group=self.dp_group)
+        return m2po_keep_masks(mb_batch, mbs, cur, tau=self.m2po_tau, rule=self.m2po_rule, dp_group=self.dp_group,
+                               tokens=self.loss_kwargs.get("m2_tokens", "trust_region"))
 
     def _three_policy(self, batch: TrainBatch) -> tuple[TrainBatch, dict]:
         """The proximal pass (no grad, the step's starting weights, shared by every rank), then the batch the

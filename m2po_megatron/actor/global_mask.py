@@ -23,7 +23,7 @@ def behav_and_advantages(batch: TrainBatch, mb: MicroBatch, dev):
 
 
 def m2po_keep_masks(mb_batch: TrainBatch, mbs: list[MicroBatch], current: dict, *, tau: float, rule: str,
-                    dp_group) -> tuple[dict, dict]:
+                    dp_group, tokens: str = "trust_region") -> tuple[dict, dict]:
     """From `current` ({id(micro-batch): this rank's log-probs at the current weights}), the M2PO mask over
     the mini-batch across DP ranks. Returns ({id(micro-batch): keep[R_mb]}, the mask's metrics)."""
     from m2po_megatron.algo import distributed as algo_dist
@@ -35,7 +35,7 @@ def m2po_keep_masks(mb_batch: TrainBatch, mbs: list[MicroBatch], current: dict, 
         advs.append(adv)
         masks.append(torch.ones_like(log_ratios[-1], dtype=torch.bool) if weights is None else weights > 0)
     res = algo_dist.global_m2po_keep_masks(log_ratios, advs, masks, tau=tau, rule=rule, scope="minibatch",
-                                           group=dp_group)
+                                           group=dp_group, tokens=tokens)
     stats = {"m2po_global/num_trust_region": res.num_trust_region, "m2po_global/num_dropped": res.num_dropped,
              "m2po_global/m2_before": res.m2_before, "m2po_global/m2_after": res.m2_after}
     return {id(mb): k for mb, k in zip(mbs, res.keep_masks)}, stats

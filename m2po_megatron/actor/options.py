@@ -20,6 +20,8 @@ def actor_kwargs(cfg: DictConfig) -> dict:
     loss_kwargs = {"loss_agg_mode": a.gspo.loss_agg_mode if a.name == "gspo" else a.loss_agg_mode}
     if a.dual_clip_c is not None:
         loss_kwargs["dual_clip"] = a.dual_clip_c
+    if a.name == "m2po":  # the global mask reads it here too
+        loss_kwargs["m2_tokens"] = a.m2po.m2_tokens
     if a.name == "grpo":
         loss_kwargs.update(eps_low=a.grpo.eps_clip_low, eps_high=a.grpo.eps_clip_high)
     elif a.name == "gspo":

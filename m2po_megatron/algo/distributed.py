@@ -39,7 +39,13 @@ from m2po_megatron.algo._layout import (
     raise_nonfinite,
     valid_tokens,
 )
-from m2po_megatron.algo.mask import check_tau_rule, keep_trust_region, keep_trust_region_values, trust_region
+from m2po_megatron.algo.mask import (
+    bounded_tokens,
+    check_m2_tokens,
+    check_tau_rule,
+    keep_trust_region,
+    keep_trust_region_values,
+)
 from m2po_megatron.algo.metrics import from_partials, to_partials
 
 Tensor = torch.Tensor
@@ -88,7 +94,7 @@ def _all_gather(t: Tensor, group, world: int) -> list[Tensor]:
     return out
 
 
-def _local(log_ratios, advantages, masks, seq_ids):
+def _local(log_ratios, advantages, masks, seq_ids, tokens="trust_region"):
     """This rank's micro-batches, flattened and concatenated in order: (bool masks per micro-batch, log-ratios,
     trust-region flags, sizes, device counters [valid tokens, sequences or -1, NaN/inf log-ratios,
     NaN/inf advantages]). Nothing here reads the device."""
@@ -101,7 +107,7 @@ def _local(log_ratios, advantages, masks, seq_ids):
         ok = m & torch.isfinite(lr) & torch.isfinite(adv)  # non-finite tokens stay off T until the raise
         ms.append(m)
         lrs.append(torch.where(ok, lr, torch.zeros_like(lr)).reshape(-1).to(torch.float64))
-        trs.append(trust_region(lr, adv.detach(), ok).reshape(-1))
+        trs.append(bounded_tokens(lr, adv.detach(), ok, tokens).reshape(-1))
         tok.append(m.sum())
         vt = valid_tokens(m, sid, "global_m2po_keep_masks")
         seqs.append(vt.num_seqs() if vt.known_seqs else None)
@@ -146,6 +152,7 @@ def global_m2po_keep_masks(
     scope: str = "minibatch",
     group=None,
     seq_ids: Tensor | Sequence[Tensor] | None = None,
+    tokens: str = "trust_region",
 ) -> GlobalM2POMask:
     """M2PO keep masks for this rank's micro-batches, decided over the whole mini-batch of the group.
 
@@ -153,7 +160,7 @@ def global_m2po_keep_masks(
         log_ratios, advantages, masks: one tensor or a list (one per micro-batch, in processing order) of
             per-token log pi_theta - log pi_behav, advantages and valid masks; each padded [B, T] or flat [N]
             (flat ones may pass seq_ids so that sequences are counted).
-        tau, rule: as in m2po_keep_mask.
+        tau, rule, tokens: as in m2po_keep_mask (with tokens="all", "trust-region" below means every valid token).
         scope: "minibatch" (default: the paper's batch-level constraint over all micro-batches and ranks) or
             "microbatch" (each micro-batch masked on its own, as the released code does).
         group: the data-parallel process group (see module doc); None for a single process.
@@ -168,6 +175,7 @@ def global_m2po_keep_masks(
     work reads nothing). Raises ValueError on every rank if any rank holds NaN/inf on a valid token.
     """
     check_tau_rule(tau, rule)
+    check_m2_tokens(tokens)
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     log_ratios, advantages, masks = _as_list(log_ratios), _as_list(advantages), _as_list(masks)
@@ -177,7 +185,7 @@ def global_m2po_keep_masks(
     if len(seq_ids) != len(masks):
         raise ValueError("seq_ids must have one entry per micro-batch")
     world = _world(group)
-    ms, lrs, trs, sizes, counters, bad = _local(log_ratios, advantages, masks, seq_ids)
+    ms, lrs, trs, sizes, counters, bad = _local(log_ratios, advantages, masks, seq_ids, tokens)
     dev = lrs[0].device
     lr_all, tr_all = torch.cat(lrs), torch.cat(trs)
     v_all = lr_all.square()

@@ -36,7 +36,7 @@ from m2po_megatron.algo._layout import (
     raise_nonfinite,
     valid_tokens,
 )
-from m2po_megatron.algo.mask import check_tau_rule, keep_trust_region
+from m2po_megatron.algo.mask import bounded_tokens, check_tau_rule, keep_trust_region
 
 Tensor = torch.Tensor
 
@@ -150,6 +150,8 @@ def policy_loss(
             distributed.global_m2po_keep_masks), same shape. If None the mask is computed over this call's
             tokens (the released code's per-micro-batch scope).
         tau, rule: the M2PO bound and rule when keep_mask is None (see mask.m2po_keep_mask).
+        m2_tokens: the tokens whose M2 is bounded and reported: "trust_region" (T, the paper's) or "all"
+            (every valid token, AReaL's port); the m2po/* metrics are over that set.
         eps_low, eps_high: PPO clip range for grpo (default 0.2, 0.2) and gspo (default 3e-4, 4e-4).
         dual_clip: c > 1: tokens with A < 0 and ratio > c get a constant loss -A*c (zero gradient). Any loss.
         weights: detached per-token factors >= 0 on each token's loss, same shape (a rollout correction's
@@ -187,6 +189,7 @@ def policy_loss_on_device(
     keep_mask: Tensor | None = None,
     tau: float = 0.04,
     rule: str = "remove",
+    m2_tokens: str = "trust_region",
     eps_low: float | None = None,
     eps_high: float | None = None,
     dual_clip: float | None = None,
@@ -246,7 +249,7 @@ def policy_loss_on_device(
     lr_d = lr.detach()
     n = valid.sum()
 
-    tr = ((A > 0) & (lr_d > 0)) | ((A < 0) & (lr_d < 0))
+    tr = bounded_tokens(lr_d, A, valid, m2_tokens)  # T (or every valid token): M2's tokens
     if name == "m2po":
         if keep_mask is not None:
             keep = vt.take(as_bool_mask(keep_mask, "keep_mask"))

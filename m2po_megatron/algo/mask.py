@@ -35,6 +35,9 @@ from m2po_megatron.algo._layout import as_bool_mask, check_finite, check_same_sh
 Tensor = torch.Tensor
 
 RULES = ("remove", "cap")
+# The tokens whose second moment is bounded: T (Algorithm 1, the released code, ms-swift's and Trinity-RFT's
+# ports) or every valid token (AReaL's port); docs/algo.md compares them.
+M2_TOKENS = ("trust_region", "all")
 CAP_TOL = 1e-12  # the tolerance the released code uses in its comparisons
 
 
@@ -48,6 +51,18 @@ def check_tau_rule(tau: float, rule: str) -> None:
 def trust_region(log_ratio: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
     """Bool tensor: valid tokens in the two trust-region quadrants (A > 0 and r > 1) or (A < 0 and r < 1)."""
     return mask & (((advantages > 0) & (log_ratio > 0)) | ((advantages < 0) & (log_ratio < 0)))
+
+
+def check_m2_tokens(tokens: str) -> None:
+    if tokens not in M2_TOKENS:
+        raise ValueError(f"m2_tokens must be one of {M2_TOKENS}, got {tokens!r}")
+
+
+def bounded_tokens(log_ratio: Tensor, advantages: Tensor, mask: Tensor, tokens: str = "trust_region") -> Tensor:
+    """The tokens whose M2 the mask bounds (and whose values it may drop): the trust region T, or with
+    tokens="all" every valid token."""
+    check_m2_tokens(tokens)
+    return trust_region(log_ratio, advantages, mask) if tokens == "trust_region" else mask.clone()
 
 
 def _squares(tr_log_ratio: Tensor) -> Tensor:
@@ -135,6 +150,7 @@ def m2po_keep_mask(
     mask: Tensor,
     tau: float = 0.04,
     rule: str = "remove",
+    tokens: str = "trust_region",
 ) -> Tensor:
     """M2PO keep mask over one batch (the tokens given here are the whole batch).
 
@@ -145,6 +161,7 @@ def m2po_keep_mask(
         mask: valid tokens (bool or 0/1), same shape.
         tau: bound on the second moment M2 of the trust-region log-ratios (paper: 0.04).
         rule: "remove" (Algorithm 1, exact) or "cap" (the released code's zero-gradient set); see module doc.
+        tokens: "trust_region" (T, the paper's) or "all" (every valid token: AReaL's port); see bounded_tokens.
 
     Returns:
         bool tensor of the same shape: True where the token is valid and not dropped.
@@ -160,7 +177,7 @@ def m2po_keep_mask(
         lr = log_ratio.detach()
         if lr.dtype in (torch.float16, torch.bfloat16):
             lr = lr.float()
-        tr = trust_region(lr, advantages.detach(), mask).reshape(-1)
+        tr = bounded_tokens(lr, advantages.detach(), mask, tokens).reshape(-1)
         # A whole batch, once: sorting only T's values (one nonzero, one host sync) halves the sort and its
         # memory against keep_trust_region's padded form, which the per-micro-batch loss uses instead.
         idx = tr.nonzero().squeeze(-1)

@@ -57,6 +57,7 @@ class M2POSection:
     tau: float = 0.04
     rule: str = "remove"  # remove (paper Algorithm 1) | cap (released code)
     scope: str = "global"  # global (whole optimizer mini-batch across DP) | microbatch (released code)
+    m2_tokens: str = "trust_region"  # M2 over: trust_region (paper, released code) | all valid tokens (AReaL)
 
 
 @dataclass

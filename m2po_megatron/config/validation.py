@@ -20,7 +20,7 @@ def choices() -> dict[str, tuple | None]:
     (imported here, when a recipe is checked, not when this module is)."""
     from m2po_megatron.actor.settings import LR_SCHEDULES, M2PO_SCOPES, RECOMPUTE_GRANULARITIES
     from m2po_megatron.algo.losses import AGG_MODES, LOSSES
-    from m2po_megatron.algo.mask import RULES
+    from m2po_megatron.algo.mask import M2_TOKENS, RULES
     from m2po_megatron.algo.rollout_correction import GEOMETRIC_ACTIONS, LEVELS as CORRECTION_LEVELS
     from m2po_megatron.algo.rollout_correction import MODES as CORRECTION_MODES
     from m2po_megatron.models.builder import ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES
@@ -38,6 +38,7 @@ def choices() -> dict[str, tuple | None]:
         "algo.loss_agg_mode": AGG_MODES,
         "algo.gspo.loss_agg_mode": AGG_MODES,
         "algo.m2po.rule": RULES,
+        "algo.m2po.m2_tokens": M2_TOKENS,
         "algo.m2po.scope": M2PO_SCOPES,
         "algo.rollout_correction.mode": CORRECTION_MODES,
         "algo.rollout_correction.level": (None, *CORRECTION_LEVELS),

@@ -300,3 +300,27 @@ def correction_worker():
                   float((d.abs() > math.log(1.2)).double().mean()), float(d.double().mean()),
                   float(d.double().square().mean()))
     return out
+
+
+def m2_tokens_worker():
+    """algo.m2po.m2_tokens through the actor's global mask: the first update's M2 before the mask, against
+    transformers' log-probs at the starting weights (the mini-batch is the whole batch), over T and over all
+    valid tokens."""
+    from m2po_megatron.actor.actor import MegatronActor
+
+    cfg = tiny_config("qwen2_untied")
+    hf = make_hf_model(cfg)
+    batch = make_batch(n=8, vocab=cfg["vocab_size"], ref_model=hf)
+    lp, _ = hf_log_probs(hf, batch)
+    lr = torch.cat([a - b for a, b in zip(lp, batch.behav_log_probs)]).double()
+    adv = torch.cat([batch.token_advantages(i) for i in range(len(lp))]).double()
+    tr = ((adv > 0) & (lr > 0)) | ((adv < 0) & (lr < 0))
+    out = {"hf": {"trust_region": float(lr[tr].square().mean()), "all": float(lr.square().mean())}}
+    for tokens in ("trust_region", "all"):
+        actor = MegatronActor(hf_config=cfg, load_from=hf, micro_batch_tokens=40, optimizer="sgd", lr=0.1,
+                              weight_decay=0.0, clip_grad=0.0, loss_name="m2po", m2po_tau=0.02, m2po_scope="global",
+                              use_distributed_optimizer=False, loss_kwargs={"m2_tokens": tokens})
+        m = actor.train_step(batch, num_minibatches=1)
+        out[tokens] = (m["m2po_global/m2_before"], m["m2po/m2_before"], m["m2po_global/num_dropped"])
+        actor.close()
+    return out

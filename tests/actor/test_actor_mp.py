@@ -29,6 +29,17 @@ def test_log_probs_match_hf_tp2_pp2():
             assert d_lp <= 1e-5, f"{key}: {d_lp}"
 
 
+@pytest.mark.timeout(300)
+def test_m2_tokens_bounds_the_second_moment_of_the_trust_region_or_of_every_valid_token():
+    out = run_multiprocess(w.m2_tokens_worker, 1, timeout=280)[0]
+    for tokens in ("trust_region", "all"):
+        global_m2, loss_m2, dropped = out[tokens]
+        assert global_m2 == pytest.approx(out["hf"][tokens], rel=1e-4), tokens  # M2 over the chosen tokens
+        assert loss_m2 == pytest.approx(global_m2, rel=1e-6), tokens  # the loss reports the same set
+        assert dropped > 0, tokens
+    assert out["hf"]["all"] != pytest.approx(out["hf"]["trust_region"], rel=1e-3)  # the two sets differ here
+
+
 @pytest.mark.timeout(700)
 def test_train_step_layouts_match_tp1_and_checkpoint_reshards(tmp_path):
     """Two M2PO updates (global batch-level mask, SGD so weights expose the gradients) at TP2, PP2 and DP2

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from m2po_megatron.algo import grpo_advantages, m2po_keep_mask, policy_loss, reduce_metrics, seq_ids_from_cu_seqlens
+from m2po_megatron.algo.distributed import global_m2po_keep_masks
 
 
 def t(x, dtype=torch.float32):
@@ -241,3 +242,32 @@ def test_on_device_loss_defers_the_nan_check_and_keeps_the_gradient_finite():
     _, a = policy_loss("gspo", lp.detach(), blp, adv, keep, seq_ids=seq, num_seq_ids=4)
     _, b = policy_loss("gspo", lp.detach(), blp, adv, keep, seq_ids=seq * 7 + 3)
     assert a == b
+
+
+def test_m2_tokens_trust_region_against_all_valid_tokens_by_hand():
+    # Tokens (A, log r), v = (log r)^2: (1, 0.5) in T, v = .25; (1, -0.3) off T (A > 0, r < 1), v = .09;
+    # (-1, -0.1) in T, v = .01; (-1, 0.2) off T, v = .04. tau = 0.04.
+    # trust_region: M2 over T = (.25 + .01) / 2 = .13 > tau -> drop .25; then .01 <= tau. Keep 2, 3, 4.
+    # all: ascending .01, .04, .09, .25, prefix means .01, .025, .0467, .0975 -> keep the 2 smallest (3, 4).
+    lp = t([0.5, -0.3, -0.1, 0.2])
+    blp = torch.zeros(4)
+    adv = t([1.0, 1.0, -1.0, -1.0])
+    mask = torch.ones(4, dtype=torch.bool)
+    e = math.exp
+    cases = {"trust_region": ([False, True, True, True], (-e(-0.3) + e(-0.1) + e(0.2)) / 4, 1 / 4, 0.13, 0.01),
+             "all": ([False, False, True, True], (e(-0.1) + e(0.2)) / 4, 2 / 4, 0.0975, 0.025)}
+    for tokens, (keep, want_loss, masked, before, after) in cases.items():
+        assert m2po_keep_mask(lp, adv, mask, tau=0.04, tokens=tokens).tolist() == keep, tokens
+        res = global_m2po_keep_masks([lp], [adv], [mask], tau=0.04, tokens=tokens)
+        assert res.keep_masks[0].tolist() == keep, tokens
+        x = lp.clone().requires_grad_()
+        loss, m = policy_loss("m2po", x, blp, adv, mask, tau=0.04, m2_tokens=tokens)
+        assert loss.item() == pytest.approx(want_loss, rel=1e-6), tokens
+        assert m["m2po/masked_frac"] == pytest.approx(masked), tokens
+        assert (m["m2po/m2_before"], m["m2po/m2_after"]) == (pytest.approx(before, rel=1e-6),
+                                                             pytest.approx(after, rel=1e-6)), tokens
+        # the mini-batch mask handed in gives the same loss and metrics
+        loss2, m2 = policy_loss("m2po", x, blp, adv, mask, keep_mask=res.keep_masks[0], m2_tokens=tokens)
+        assert loss2.item() == pytest.approx(want_loss, rel=1e-6) and m2["m2po/masked_frac"] == m["m2po/masked_frac"]
+    with pytest.raises(ValueError, match="m2_tokens must be one of"):
+        m2po_keep_mask(lp, adv, mask, tokens="quadrants")

@@ -93,3 +93,6 @@ def test_paper_recipes_resolve_to_the_papers_prompt_and_gspo_aggregation(recipe)
         assert cfg.data.apply_chat_template is True
         assert cfg.algo.gspo.loss_agg_mode == "seq-mean-token-mean"
         assert actor_kwargs(cfg)["loss_kwargs"]["loss_agg_mode"] == agg, (recipe, algo)
+        assert actor_kwargs(cfg)["loss_kwargs"].get("m2_tokens") == ("trust_region" if algo == "m2po" else None)
+    cfg = load_config(recipe, ["algo.m2po.m2_tokens=all"], check_files=False)
+    assert actor_kwargs(cfg)["loss_kwargs"]["m2_tokens"] == "all"  # AReaL's port's set, to the loss and the mask
