@@ -143,3 +143,40 @@ def test_parallel_runs_on_fixed_ports_are_refused_before_anything_starts(tiny_ta
     dry = m2po("sweep", str(path), "--local", "--dry-run", timeout=300)
     assert dry.returncode == 0, dry.stderr
     assert "DRY-RUN p-a [PENDING]" in dry.stdout and "--resume auto" in dry.stdout
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_archived_runs_count_as_finished_without_their_checkpoints(swept, tmp_path):
+    """What a results directory in git holds (tools/archive_runs.py and its .gitignore): config.yaml,
+    metrics.jsonl.gz and the job-state record; a sweep started on another machine skips those runs, and the
+    report reads them."""
+    path, out, _ = swept
+    spec = json.loads(path.read_text())
+    spec["output_dir"] = str(tmp_path / "kept")
+    for name in ("t-grpo", "t-m2po"):
+        dst = tmp_path / "kept" / name
+        (dst / "logs").mkdir(parents=True)
+        for f in ("config.yaml", "metrics.jsonl", "logs/job-state"):
+            shutil.copy(out / name / f, dst / f)
+    unfinished = tmp_path / "kept" / "t-m2po" / "metrics.jsonl"
+    full = unfinished.read_text()
+    unfinished.write_text("\n".join(ln for ln in full.splitlines() if json.loads(ln)["step"] <= 1) + "\n")
+    archive = [sys.executable, str(REPO / "tools" / "archive_runs.py"), str(tmp_path / "kept")]
+    p = subprocess.run(archive, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "1 of 2 runs finished and archived" in p.stdout, p.stdout + p.stderr
+    assert not (tmp_path / "kept" / "t-m2po" / "metrics.jsonl.gz").exists()  # stopped at step 1 of 2
+    unfinished.write_text(full)
+    p = subprocess.run(archive, capture_output=True, text=True, timeout=120)
+    assert "2 of 2 runs finished and archived" in p.stdout, p.stdout + p.stderr
+    for name in ("t-grpo", "t-m2po"):
+        run = tmp_path / "kept" / name
+        plain = read_metrics(run / "metrics.jsonl")
+        (run / "metrics.jsonl").unlink()
+        assert read_metrics(run / "metrics.jsonl.gz") == plain
+        assert local_state(run, 2) == "COMPLETED" and latest_checkpoint_step(run) == 0
+    moved = tmp_path / "kept.yaml"
+    moved.write_text(json.dumps(spec))
+    again = ok(m2po("sweep", str(moved), "--local"))
+    assert "skip t-grpo: finished" in again and "skip t-m2po: finished" in again and "0 of 2 runs to do" in again
+    text = ok(m2po("report", str(tmp_path / "kept"), "--out", str(tmp_path / "r"), "--no-plots"))
+    assert "| GRPO | 0 |" in text and "| M2PO | 2 |" in text

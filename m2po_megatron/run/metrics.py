@@ -5,6 +5,7 @@ Secrets never reach a sink: keys that look like secrets are dropped from logged 
 """
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -96,11 +97,24 @@ class MetricsLogger:
         self.close()
 
 
+def metrics_path(run_dir: str | Path) -> Path:
+    """RUN_DIR/metrics.jsonl, or its archived copy metrics.jsonl.gz when only that is there (finished runs
+    committed with their results: tools/archive_runs.py)."""
+    plain = Path(run_dir) / "metrics.jsonl"
+    packed = plain.with_name("metrics.jsonl.gz")
+    return packed if not plain.is_file() and packed.is_file() else plain
+
+
 def read_metrics(path: str | Path) -> list[dict]:
-    """The rows of a metrics.jsonl, in order. A truncated last line (a run killed mid-write) is skipped with
-    a warning; any other line that is not a JSON object with a 'step' raises, naming the file and line."""
+    """The rows of a metrics.jsonl (or .jsonl.gz), in order. A truncated last line (a run killed mid-write) is
+    skipped with a warning; any other line that is not a JSON object with a 'step' raises, naming the file
+    and line."""
     path = Path(path)
-    lines = path.read_text(errors="replace").splitlines()
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", errors="replace") as f:
+            lines = f.read().splitlines()
+    else:
+        lines = path.read_text(errors="replace").splitlines()
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     rows = []
     for i, line in enumerate(lines):

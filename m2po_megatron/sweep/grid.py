@@ -396,9 +396,9 @@ def _job_log_state(run_dir: Path) -> Optional[str]:
 def last_metrics(run_dir: Path) -> Optional[dict]:
     """The last row of RUN_DIR/metrics.jsonl (run.metrics.read_metrics: a partially written last line is
     skipped); None when there is none or the file is damaged (the run's own reader names the line)."""
-    from m2po_megatron.run.metrics import read_metrics
+    from m2po_megatron.run.metrics import metrics_path, read_metrics
 
-    f = run_dir / "metrics.jsonl"
+    f = metrics_path(run_dir)
     try:
         rows = read_metrics(f) if f.is_file() else []
     except ValueError:

@@ -66,6 +66,15 @@ def latest_checkpoint_step(run_dir: Path) -> int:
     return steps[-1] if steps else 0
 
 
+def _last_step(run_dir: Path) -> int:
+    """The last step its metrics record: a finished run committed without its checkpoints (archived on
+    another machine) is finished here too."""
+    from m2po_megatron.sweep.grid import last_metrics
+
+    row = last_metrics(run_dir)
+    return int(row["step"]) if row else 0
+
+
 def local_state(run_dir: Path, steps: int) -> str:
     """COMPLETED | RUNNING | INTERRUPTED (its process is gone without an EXIT record) | STOPPED (exited 0
     before train.steps, e.g. on SIGTERM) | FAILED(rc=N) | PENDING (never started)."""
@@ -83,7 +92,7 @@ def local_state(run_dir: Path, steps: int) -> str:
         rc = last[-1].split("=")[-1]
         if rc != "0":
             return f"FAILED(rc={rc})"
-        return "COMPLETED" if latest_checkpoint_step(run_dir) >= steps else "STOPPED"
+        return "COMPLETED" if max(latest_checkpoint_step(run_dir), _last_step(run_dir)) >= steps else "STOPPED"
     return last[0]
 
 

@@ -27,6 +27,7 @@ import yaml
 
 from m2po_megatron.sweep import claims as cl
 from m2po_megatron.sweep import stats
+from m2po_megatron.run.metrics import metrics_path
 from m2po_megatron.sweep.plot import plot_groups, read_metrics_file
 
 METHOD_NAMES = {"grpo": "GRPO", "grpo_notr": "GRPO (no TR)", "gspo": "GSPO", "m2po": "M2PO"}
@@ -113,10 +114,11 @@ def find_runs(dirs: Sequence[str | Path]) -> list[Path]:
         d = Path(d)
         if not d.is_dir():
             raise ReportError(f"{d}: not a directory; give run directories or a sweep's output directory")
-        if (d / "metrics.jsonl").is_file():
+        if metrics_path(d).is_file():
             found.append(d)
             continue
-        subs = sorted(p.parent for p in list(d.glob("*/metrics.jsonl")) + list(d.glob("*/*/metrics.jsonl")))
+        subs = sorted(p.parent for pat in ("*/metrics.jsonl", "*/*/metrics.jsonl", "*/metrics.jsonl.gz",
+                                           "*/*/metrics.jsonl.gz") for p in d.glob(pat))
         if not subs:
             raise ReportError(f"{d}: no metrics.jsonl in it or below it; is it a run or sweep output directory?")
         found += subs
@@ -185,7 +187,7 @@ def load_run(run: str | Path) -> RunRecord:
     except yaml.YAMLError as e:
         raise ReportError(f"{cfg_path}: not valid YAML ({e})") from None
     try:
-        series = read_metrics_file(run / "metrics.jsonl")
+        series = read_metrics_file(metrics_path(run))
     except (OSError, ValueError) as e:
         raise ReportError(str(e)) from None
     seed = flat.get("run.seed")
