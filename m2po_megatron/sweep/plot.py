@@ -30,7 +30,9 @@ DEFAULT_PANELS: list[tuple[str, list[list[str]]]] = [
 # The report's diagnostics panels: (title, metrics key, log scale).
 DIAGNOSTICS = [("M2 before masking", "m2po/m2_before", False), ("M2 after masking", "m2po/m2_after", False),
                ("masked fraction", "m2po/masked_frac", False), ("clip fraction", "clip_frac", False),
-               ("ratio max", "ratio/max", True), ("ratio min", "ratio/min", True),
+               ("ratio max (all tokens)", "ratio/max", True), ("ratio min (all tokens)", "ratio/min", True),
+               ("ratio max (kept tokens)", "ratio/kept_max", True), ("ratio min (kept tokens)", "ratio/kept_min", True),
+               ("KL(behaviour || current), k3", "kl/k3", False),
                ("KL(behaviour || proximal), k3", "rollout_corr/kl_k3", False),
                ("proximal / behaviour, p99", "rollout_corr/ratio_p99", True),
                ("M2 of the drift log(theta/p)", "ratio_parts/drift_m2", False),
