@@ -13,6 +13,7 @@ gradient of the global mini-batch loss.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from functools import partial
@@ -25,6 +26,7 @@ from m2po_megatron.infra.device import device, rehearsing
 
 from . import checkpoint
 from .batch import TrainBatch
+from .dp_share import rank_share, skipped_update
 from .fused_logprobs import output_layer_log_probs
 from .global_mask import behav_and_advantages, m2po_keep_masks
 from .metrics import StepTimes, combine_updates, read_step_values, reduce_minibatch
@@ -283,12 +285,8 @@ class MegatronActor:
         Returns (log_probs, entropy): lists of 1-D fp32 CPU tensors (response length each; entropy None when
         with_entropy=False), identical on every rank."""
         batch.validate(for_training=False, vocab_size=self.spec.vocab_size, max_tokens=self.micro_batch_tokens)
-        rl = batch.response_lens
-        offs = [0]
-        for r in rl:
-            offs.append(offs[-1] + r)
-        shard = shard_for_dp(batch.lengths, self.dp_size)[self.dp_rank] if len(batch) >= self.dp_size else (
-            list(range(len(batch))) if self.dp_rank == 0 else [])
+        offs = [0, *itertools.accumulate(batch.response_lens)]
+        shard = shard_for_dp(batch.lengths, self.dp_size)[self.dp_rank]  # empty shards add zeros in _share
         flat = self._forward_logps(batch, shard, offs, with_entropy)
         lp = flat[0]
         ent = flat[1] if with_entropy else None
@@ -343,22 +341,19 @@ class MegatronActor:
         mini-batch. Returns metrics identical on every rank (see docs/actor.md for the keys), except the
         rank's own seconds under time/actor/* (STEP_TIMES, summed over the updates, and the whole call)."""
         t_start = time.perf_counter()
-        batch.validate(for_training=True, vocab_size=self.spec.vocab_size, max_tokens=self.micro_batch_tokens)
-        minis = split_minibatches(len(batch), num_minibatches)
-        for mi in minis:
-            if len(mi) < self.dp_size:
-                raise ValueError(f"a mini-batch of {len(mi)} sequences cannot feed {self.dp_size} data-parallel "
-                                 f"ranks: lower num_minibatches ({num_minibatches}) or send a larger batch")
+        minis = split_minibatches(len(batch), num_minibatches)  # an empty one is skipped (dp_share)
+        if len(batch):
+            batch.validate(for_training=True, vocab_size=self.spec.vocab_size, max_tokens=self.micro_batch_tokens)
         times = StepTimes(STEP_TIMES)
         corr_metrics: dict = {}
         engine = None  # three-policy steps: the engine's behaviour log-probs, for ratio_parts/*
-        if self.correction.mode != "bypass":
+        if self.correction.mode != "bypass" and len(batch):
             t = time.perf_counter()
             engine = batch
             batch, corr_metrics = self._three_policy(batch)
             times.add("logprob_pass", t)
         per_update = [self._train_minibatch(batch.select(mi), times, None if engine is None else engine.select(mi))
-                      for mi in minis]
+                      if mi else skipped_update(float(self.optimizer.param_groups[0]["lr"])) for mi in minis]
         out = combine_updates(per_update, self.updates_applied)
         out.update(corr_metrics)
         out.update({f"time/actor/{k}": v for k, v in times.items()})
@@ -372,11 +367,8 @@ class MegatronActor:
         from m2po_megatron.algo import losses as algo_losses
         from m2po_megatron.algo.rollout_correction import ratio_parts
 
-        lengths = mb_batch.lengths
-        shard = shard_for_dp(lengths, self.dp_size)[self.dp_rank]
-        rl = mb_batch.response_lens
-        global_tokens = sum(rl)
-        global_seqs = len(mb_batch)
+        global_tokens, global_seqs = sum(mb_batch.response_lens), len(mb_batch)
+        mb_batch, engine_batch, shard, filler = rank_share(mb_batch, self.dp_size, self.dp_rank, engine_batch)
         mbs = self._plan(mb_batch, shard)
         n_local = len(mbs)
 
@@ -414,8 +406,8 @@ class MegatronActor:
             stats.append(st)
             if engine_batch is not None:  # log(theta/engine) = drift log(theta/proximal) + mismatch log(proximal/engine)
                 eng = to_device(torch.cat([engine_batch.behav_log_probs[i].float() for i in mb.seq_index]), dev)
-                parts.append(ratio_parts(logp, behav, eng, torch.ones_like(mask)))
-            ent_sums.append(ent.sum().float())
+                parts.append(ratio_parts(logp, behav, eng, mask | (not filler)))  # a filler's token: out
+            ent_sums.append(torch.where(mask, ent, 0.0).sum().float())  # a filler's or dropped token's: 0
             return loss * (n_local * self.dp_size), {}
 
         self._train_mode()
@@ -438,8 +430,8 @@ class MegatronActor:
             self.updates_applied += 1
         times.add("optimizer", t_opt)
 
-        reduced = (reduce_minibatch(mb_metrics, entropy_sum, mask_stats, dp_group=self.dp_group, parts=parts)
-                   if self.is_last_stage else None)
+        reduced = (reduce_minibatch(mb_metrics, entropy_sum, mask_stats, dp_group=self.dp_group, parts=parts,
+                                    fillers=int(filler)) if self.is_last_stage else None)
         out = self._on_all_stages(reduced)
         out.update({
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),

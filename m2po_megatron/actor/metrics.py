@@ -14,7 +14,7 @@ from m2po_megatron.algo.rollout_correction import read_stats
 
 # Step metrics summed over a step's updates (the rest are means over updates, except the keys below).
 _SUMMED = ("num_tokens", "num_seqs", "num_microbatches", "m2po_global/num_dropped", "m2po_global/num_trust_region",
-           "count/tokens", "count/seqs", "ratio_parts/count_tokens")
+           "count/tokens", "count/seqs", "ratio_parts/count_tokens", "skipped_empty")
 
 
 class StepTimes(dict):
@@ -47,15 +47,16 @@ def read_step_values(stats: list, ent_sums: list[torch.Tensor]) -> tuple[list[di
 
 
 def reduce_minibatch(mb_metrics: list[dict], entropy_sum: float, mask_stats: dict, *, dp_group,
-                     parts: Optional[list] = None) -> dict:
+                     parts: Optional[list] = None, fillers: int = 0) -> dict:
     """The policy_loss metrics of this rank's micro-batches combined with every data-parallel rank's (exact
     weighted means, sums, min/max), plus the token-mean entropy, the micro-batch count and the batch-level
     mask's stats. `parts`: the micro-batches' algo.rollout_correction.ratio_parts (three-policy steps), summed
     on the device, read once and added over the ranks in the same all_reduce. Called on the last pipeline
-    stage; every rank of dp_group must call it, all with parts or all without."""
+    stage; every rank of dp_group must call it, all with parts or all without. `fillers`: this rank's
+    micro-batches that only hold a filler sequence (dp_share), left out of the micro-batch count."""
     sums, mins, maxes = sum_partials(mb_metrics)
     sums["_entropy_sum"] = entropy_sum
-    sums["_mb"] = float(len(mb_metrics))
+    sums["_mb"] = float(len(mb_metrics) - fillers)
     part_keys = []
     if parts:
         row = torch.stack([p.values for p in parts]).sum(0).tolist()
@@ -76,7 +77,7 @@ def reduce_minibatch(mb_metrics: list[dict], entropy_sum: float, mask_stats: dic
 def combine_updates(per_update: list[dict], updates_applied: int) -> dict:
     """Metrics of a step: means over its updates, except counts (summed) and extremes; lr is the last one."""
     out: dict[str, Any] = {}
-    keys = per_update[0].keys()
+    keys = list(dict.fromkeys(k for u in per_update for k in u))  # a skipped mini-batch has fewer keys
     for k in keys:
         vals = [u[k] for u in per_update if k in u]
         if k in _SUMMED:

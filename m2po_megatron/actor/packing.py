@@ -64,11 +64,10 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 
 def split_minibatches(n: int, num_minibatches: int) -> list[list[int]]:
-    """Contiguous, order-preserving split of n sequences into num_minibatches (sizes differ by <= 1)."""
+    """Contiguous, order-preserving split of n sequences into num_minibatches (sizes differ by <= 1); with
+    fewer sequences than mini-batches the last ones are empty (the actor skips those updates)."""
     if num_minibatches < 1:
         raise ValueError(f"num_minibatches={num_minibatches} must be >= 1")
-    if num_minibatches > n:
-        raise ValueError(f"num_minibatches={num_minibatches} is more than the {n} sequences of the batch")
     base, extra = divmod(n, num_minibatches)
     out, start = [], 0
     for k in range(num_minibatches):
@@ -82,13 +81,10 @@ def shard_for_dp(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
     """Deterministic token-balanced assignment of sequences to data-parallel ranks.
 
     Longest first, each to the least-loaded rank (ties: lower rank). Returns, per rank, indices in
-    ascending order. Every rank computes the same answer from the same lengths."""
+    ascending order; with fewer sequences than ranks the last ranks get none (dp_share.rank_share gives
+    them a filler). Every rank computes the same answer from the same lengths."""
     if dp_size < 1:
         raise ValueError(f"dp_size={dp_size} must be >= 1")
-    if len(lengths) < dp_size:
-        raise ValueError(
-            f"a mini-batch of {len(lengths)} sequences cannot feed {dp_size} data-parallel ranks: "
-            "use fewer num_minibatches or a larger batch")
     loads = [0] * dp_size
     shards: list[list[int]] = [[] for _ in range(dp_size)]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):

@@ -324,3 +324,30 @@ def m2_tokens_worker():
         out[tokens] = (m["m2po_global/m2_before"], m["m2po/m2_before"], m["m2po_global/num_dropped"])
         actor.close()
     return out
+
+
+def short_batch_worker(sizes=(0, 1, 3, 5)):
+    """Issue 35: mini-batches with fewer sequences than DP ranks (and none at all), one update each in turn,
+    for M2PO (the mini-batch mask), GSPO (sequence means) and GRPO under a three-policy correction (TIS):
+    per setting, the metrics and the weights after each update, to compare with DP = 1."""
+    from m2po_megatron.actor.actor import MegatronActor
+    from m2po_megatron.convert.export import gather_hf_state_dict
+
+    cfg = tiny_config("qwen2_untied")
+    hf = make_hf_model(cfg)
+    settings = {"m2po": dict(loss_name="m2po", m2po_tau=0.02, m2po_scope="global"), "gspo": dict(loss_name="gspo"),
+                "grpo-tis": dict(loss_name="grpo", rollout_correction={"mode": "tis", "threshold": 2.0})}
+    out = {}
+    for name, kw in settings.items():
+        actor = MegatronActor(hf_config=cfg, load_from=hf, micro_batch_tokens=40, optimizer="sgd", lr=0.1,
+                              weight_decay=0.0, clip_grad=0.0, use_distributed_optimizer=False, **kw)
+        rows = []
+        for n in sizes:
+            batch = make_batch(n=max(n, 1), vocab=cfg["vocab_size"], ref_model=hf, seed=11 + n).select(range(n))
+            m = actor.train_step(batch, num_minibatches=1)
+            m.pop("per_update")
+            w = gather_hf_state_dict(actor.model_chunks(), actor.spec)
+            rows.append(({k: v for k, v in m.items() if not k.startswith("time/")}, w))
+        out[name] = (actor.dp_size, rows)
+        actor.close()
+    return out

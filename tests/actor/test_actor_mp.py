@@ -40,6 +40,35 @@ def test_m2_tokens_bounds_the_second_moment_of_the_trust_region_or_of_every_vali
     assert out["hf"]["all"] != pytest.approx(out["hf"]["trust_region"], rel=1e-3)  # the two sets differ here
 
 
+@pytest.mark.timeout(600)
+def test_short_minibatches_at_dp4_update_as_dp1_does():
+    """Mini-batches of 0, 1, 3 and 5 sequences at DP = 4 (issue 35): a rank without a sequence joins every
+    collective with a zero-weight filler; each update and its metrics equal DP = 1's (the global
+    denominators); a mini-batch of no sequence is no update on any rank."""
+    dp4 = run_multiprocess(w.short_batch_worker, 4, timeout=560)
+    dp1 = run_multiprocess(w.short_batch_worker, 1, timeout=300)[0]
+    for name, (dp, ref_rows) in dp1.items():
+        assert dp == 1
+        for rank in range(4):
+            size, rows = dp4[rank][name]
+            assert size == 4
+            for n, ((m, wts), (m1, w1)) in zip((0, 1, 3, 5), zip(rows, ref_rows)):
+                where = f"{name}, {n} sequences, rank {rank}"
+                assert m["num_updates"] == (1 if n else 0) == m1["num_updates"], where
+                assert m.get("skipped_empty", 0) == (0 if n else 1), where
+                assert (m["num_seqs"], m["num_tokens"]) == (m1["num_seqs"], m1["num_tokens"]), where
+                if n:
+                    assert m["count/tokens"] == m1["count/tokens"] == m["num_tokens"], where  # no filler token
+                    if n <= 4:  # one sequence per rank with one, summed over ranks; fillers not counted
+                        assert m["num_microbatches"] == n, where
+                    for k in ("loss", "grad_norm", "entropy", "kl/k3", "clip_frac", "m2po/masked_frac"):
+                        assert m[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), (where, k)
+                for k, v in w1.items():
+                    assert (wts[k] - v).abs().max() <= 2e-5, (where, k)
+            moved = [max(float((a[1][k] - b[1][k]).abs().max()) for k in a[1]) for a, b in zip(rows, [rows[0]] + rows)]
+            assert moved[0] == 0.0 and all(x > 0 for x in moved[1:]), (name, moved)  # 0 sequences: no update
+
+
 @pytest.mark.timeout(700)
 def test_train_step_layouts_match_tp1_and_checkpoint_reshards(tmp_path):
     """Two M2PO updates (global batch-level mask, SGD so weights expose the gradients) at TP2, PP2 and DP2

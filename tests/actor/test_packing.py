@@ -2,6 +2,8 @@
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from m2po_megatron.actor.batch import TrainBatch
@@ -17,8 +19,9 @@ def _batch(lens, plen=3, seed=0):
 
 def test_split_minibatches_contiguous_and_even():
     assert split_minibatches(10, 3) == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert split_minibatches(2, 3) == [[0], [1], []]  # the empty one is skipped by the actor
     with pytest.raises(ValueError, match="num_minibatches"):
-        split_minibatches(2, 3)
+        split_minibatches(2, 0)
 
 
 def test_shard_for_dp_is_a_balanced_partition():
@@ -29,8 +32,9 @@ def test_shard_for_dp_is_a_balanced_partition():
     loads = [sum(lens[i] for i in s) for s in shards]
     assert max(loads) - min(loads) <= max(lens)
     assert shard_for_dp(lens, 4) == shards  # deterministic
-    with pytest.raises(ValueError, match="data-parallel"):
-        shard_for_dp([3], 2)
+    assert shard_for_dp([3], 2) == [[0], []]  # a rank without a sequence: dp_share gives it a filler
+    with pytest.raises(ValueError, match="dp_size"):
+        shard_for_dp([3], 0)
 
 
 def test_pack_respects_budget_and_covers_all():
@@ -176,3 +180,43 @@ def test_row_multiple():
     assert [row_multiple(tp, False, True, "tensorwise") for tp in (1, 2, 8)] == [16, 16, 16]
     assert [row_multiple(tp, True, True, "delayed") for tp in (1, 2, 8)] == [16, 32, 128]
     assert row_multiple(4, True, True, "mxfp8") == 128
+
+
+@settings(max_examples=300, deadline=None)
+@given(group_size=st.integers(1, 8), groups=st.integers(1, 12), kept=st.data(), dp=st.integers(1, 8),
+       updates=st.integers(1, 6), lens=st.data(), weighted=st.booleans())
+def test_every_rank_has_a_well_defined_share_of_any_filtered_batch(group_size, groups, kept, dp, updates, lens,
+                                                                   weighted):
+    """Issue 35: whatever dynamic sampling keeps (any subset of the groups), at any DP size and number of
+    updates, the mini-batches partition the batch in order; within each, the ranks' shares partition its
+    sequences; a rank with none gets exactly one filler whose tokens all weigh 0; the real sequences and
+    tokens over all ranks are the mini-batch's."""
+    from m2po_megatron.actor.dp_share import rank_share
+
+    survive = kept.draw(st.lists(st.booleans(), min_size=groups, max_size=groups), label="filter outcome")
+    n = sum(survive) * group_size
+    seq_lens = lens.draw(st.lists(st.integers(2, 30), min_size=n, max_size=n), label="lengths")
+    batch = _batch(seq_lens, plen=1) if n else TrainBatch([], [], [], torch.ones(0))
+    if weighted and n:
+        batch.loss_weights = [torch.full((L - 1,), 0.5) for L in seq_lens]
+    minis = split_minibatches(n, updates)
+    assert [i for m in minis for i in m] == list(range(n)) and len(minis) == updates
+    assert max(map(len, minis)) - min(map(len, minis)) <= 1
+    for mi in minis:
+        if not mi:
+            continue  # skipped by every rank alike
+        mb = batch.select(mi)
+        real, tokens = [], 0
+        for r in range(dp):
+            ext, _, shard, filler = rank_share(mb, dp, r)
+            assert shard and filler == (shard == [len(mb)])
+            if filler:
+                assert len(ext) == len(mb) + 1 and ext.loss_weights[-1].eq(0).all() and ext.response_lens[-1] == 1
+                ext.validate(for_training=True, vocab_size=64)
+                assert all(torch.equal(a, b) for a, b in zip(ext.input_ids, mb.input_ids))  # the real ones as given
+            else:
+                assert ext is mb
+                real += shard
+                tokens += sum(mb.response_lens[i] for i in shard)
+        assert sorted(real) == list(range(len(mb))) and tokens == sum(mb.response_lens)
+        assert sum(not rank_share(mb, dp, r)[3] for r in range(dp)) == min(dp, len(mb))
