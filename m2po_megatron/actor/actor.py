@@ -367,7 +367,7 @@ class MegatronActor:
         from m2po_megatron.algo import losses as algo_losses
         from m2po_megatron.algo.rollout_correction import ratio_parts
 
-        global_tokens, global_seqs = sum(mb_batch.response_lens), len(mb_batch)
+        global_tokens, global_seqs = mb_batch.loss_counts()  # the denominators, over every DP rank
         mb_batch, engine_batch, shard, filler = rank_share(mb_batch, self.dp_size, self.dp_rank, engine_batch)
         mbs = self._plan(mb_batch, shard)
         n_local = len(mbs)

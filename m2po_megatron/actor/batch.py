@@ -66,6 +66,15 @@ class TrainBatch:
             return self.advantages[i].float().expand(int(self.input_ids[i].numel()) - int(self.prompt_lens[i]))
         return self.advantages[i].float()
 
+    def loss_counts(self) -> tuple[int, int]:
+        """(tokens, sequences) in the loss's denominators: every response token and sequence, less the tokens
+        a rollout correction dropped (loss weight 0) and the sequences left with none, as verl's rejection
+        sampling drops them from the response mask. M2PO's own dropped tokens stay (the paper's Eq. 5)."""
+        if self.loss_weights is None:
+            return sum(self.response_lens), len(self)
+        kept = [int((w > 0).sum()) for w in self.loss_weights]
+        return sum(kept), sum(k > 0 for k in kept)
+
     def select(self, indices: Sequence[int]) -> "TrainBatch":
         idx = list(indices)
         adv = self.advantages

@@ -5,8 +5,9 @@ Every loss is a surrogate whose gradient with respect to log_prob on an *active*
   - m2po:      active = kept by the M2PO mask (no epsilon clip); dropped tokens contribute 0 but stay in D.
   - grpo:      PPO clip: inactive where A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low.
   - grpo_notr: plain r * A (no trust region at all).
-  - gspo:      r is replaced by the sequence ratio s = exp(mean_t log-ratio) (its gradient spreads over the
-               sequence's tokens); PPO clip on s with GSPO's small range (3e-4, 4e-4); sequence mean.
+  - gspo:      r is replaced by the sequence ratio s = exp(mean_t log-ratio), straight-through per token as
+               verl's (value s, gradient through each token's own log-prob and weight); PPO clip on s with
+               GSPO's small range (3e-4, 4e-4); sequence mean.
   - dual_clip=c (any loss, M2PO included): tokens with A < 0 and r > c are also inactive (loss -A*c),
     which bounds the large-ratio negative tokens that lie outside T (see docs/algo.md).
 The active set is decided on detached values first and exp() is only evaluated on active tokens, so a
@@ -261,8 +262,12 @@ def policy_loss_on_device(
     ones = valid.to(dtype)
     if name == "gspo":
         seq_len = vt.seq_sum(ones).clamp(min=1)  # empty sequences: 0 / 1, never 0 / 0 in backward
-        seq_lr = vt.seq_sum(lr) / seq_len
-        tok, clipped, dual = _surrogate(torch.where(valid, seq_lr[vt.seq], zero), A, keep, eps, dual_clip)
+        seq_lr = vt.seq_sum(lr.detach()) / seq_len
+        # verl's straight-through token ratio sg[log s] + l_t - sg[l_t]: the value is the sequence's, the
+        # gradient reaches each token through its own weight (uniform weights: the same gradient as through
+        # the mean; per-token weights are not averaged over the sequence)
+        st = seq_lr[vt.seq] + lr - lr.detach()
+        tok, clipped, dual = _surrogate(torch.where(valid, st, zero), A, keep, eps, dual_clip)
     else:
         tok, clipped, dual = _surrogate(lr, A, keep, eps, dual_clip)
     if weights is not None:  # off the valid tokens the factor is 1, so a NaN there cannot reach the sums

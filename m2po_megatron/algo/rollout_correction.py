@@ -107,6 +107,14 @@ class CorrectionSpec:
                                or lo >= c):
             raise ValueError(f"{f}.threshold_lower must be a number with 0 <= threshold_lower <= 1 and "
                              f"threshold_lower < threshold={c}, got {lo!r}")
+        if lo is not None and not self.masks:  # a bound the mode never applies: contradicts what the user asked
+            raise ValueError(f"{f}.threshold_lower={lo!r} has no effect with mode={self.mode!r}"
+                             + (f", geometric_action={self.geometric_action!r}" if self.mode == "geometric" else "")
+                             + ": only the masking modes (mis, icepop, geometric with geometric_action=mask) have a "
+                             "lower bound; remove threshold_lower or pick a masking mode")
+        if self.mode == "bypass" and self.level is not None:
+            raise ValueError(f"{f}.level={self.level!r} has no effect with mode='bypass' (no correction); remove "
+                             f"level or pick mode tis or mis")
         if self.masks and lo is None and c == 1:
             raise ValueError(f"{f}.threshold=1: the band [1/threshold, threshold] is a single point; use "
                              f"threshold > 1 or set threshold_lower")

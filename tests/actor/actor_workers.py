@@ -299,6 +299,13 @@ def correction_worker():
     out["mis"] = (step("grpo", {"mode": "mis", "threshold": 1.2}, noisy)[0],
                   float((d.abs() > math.log(1.2)).double().mean()), float(d.double().mean()),
                   float(d.double().square().mean()))
+    # The first update (theta = p, so GRPO's ratio is 1): -sum(A w) over the kept tokens of the first
+    # mini-batch (sequences 0-3), divided by the kept tokens only: dropped tokens leave the denominator.
+    first = range(4)
+    dd = torch.cat([own[i] - noisy.behav_log_probs[i] for i in first]).double()
+    a = torch.cat([noisy.token_advantages(i) for i in first]).double()
+    kept = dd.abs() <= math.log(1.2)
+    out["mis_first_loss"] = float(-(a * dd.exp())[kept].sum() / kept.sum())
     return out
 
 

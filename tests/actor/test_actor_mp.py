@@ -177,6 +177,7 @@ def test_rollout_correction_three_policy_step():
     assert above["tis"]["rollout_corr/truncated_frac"] == 1
     mis, expected, d_mean, d_m2 = out["mis"]
     assert 0 < expected < 1 and mis["rollout_corr/masked_frac"] == pytest.approx(expected, abs=1e-9)
+    assert mis["per_update"][0]["loss"] == pytest.approx(out["mis_first_loss"], rel=1e-4)  # kept tokens' mean
     # ratio_parts/*: log(theta/engine) = drift log(theta/proximal) + mismatch log(proximal/engine), per update
     assert "ratio_parts/drift_m2" not in mb
     first, second = mt["per_update"]

@@ -271,3 +271,26 @@ def test_m2_tokens_trust_region_against_all_valid_tokens_by_hand():
         assert loss2.item() == pytest.approx(want_loss, rel=1e-6) and m2["m2po/masked_frac"] == m["m2po/masked_frac"]
     with pytest.raises(ValueError, match="m2_tokens must be one of"):
         m2po_keep_mask(lp, adv, mask, tokens="quadrants")
+
+
+def test_gspo_with_token_weights_is_verls_per_token_product_then_the_sequence_mean():
+    # verl's compute_policy_loss_gspo multiplies each token's loss by its rollout weight, then
+    # seq-mean-token-mean averages over the sequence's tokens in the (rejection-masked) response mask.
+    # One sequence, log r = (0.1, -0.1, 0.3): s = exp(mean) = exp(0.1); A = 1; GSPO clip (3e-4, 4e-4) on
+    # s = 1.105 > 1.0004 with A > 0: clipped, token loss -(1.0004) each. Weights (0.5, 2, 0): the third token is
+    # dropped from the mask, so the sequence ratio is over the first two (mean 0: s = 1, not clipped) and the
+    # loss is -(0.5 + 2) * 1 / 2.
+    lp = t([0.1, -0.1, 0.3]).requires_grad_()
+    blp = torch.zeros(3)
+    adv = t([1.0, 1.0, 1.0])
+    w = t([0.5, 2.0, 0.0])
+    seq_ids = torch.zeros(3, dtype=torch.long)
+    loss, m = policy_loss("gspo", lp, blp, adv, w > 0, seq_ids=seq_ids, weights=w)
+    loss.backward()
+    assert loss.item() == pytest.approx(-(0.5 + 2.0) / 2, rel=1e-6)
+    # d loss / d lp_t = -A s w_t / L (the straight-through sequence ratio), over the kept tokens only
+    torch.testing.assert_close(lp.grad, t([-0.5 / 2, -2.0 / 2, 0.0]))  # not the mean weight on each: -0.625
+    # all three kept with equal weights 1: the plain GSPO loss, clipped
+    loss1, _ = policy_loss("gspo", lp.detach(), blp, adv, torch.ones(3, dtype=torch.bool), seq_ids=seq_ids,
+                           weights=torch.ones(3))
+    assert loss1.item() == pytest.approx(-(1 + 4e-4), rel=1e-6)

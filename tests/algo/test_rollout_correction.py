@@ -166,6 +166,9 @@ def test_nonfinite_input_is_dropped_then_raises_on_read():
     (dict(mode="tis", threshold=True), "threshold"), (dict(mode="mis", threshold=1.0), "threshold"),
     (dict(mode="mis", threshold=2.0, threshold_lower=1.5), "threshold_lower"),
     (dict(mode="mis", threshold=2.0, threshold_lower=-0.1), "threshold_lower"),
+    (dict(mode="tis", threshold=2.0, threshold_lower=0.5), "threshold_lower"),  # tis truncates from above only
+    (dict(mode="geometric", geometric_action="truncate", threshold_lower=0.9), "threshold_lower"),
+    (dict(mode="bypass", threshold_lower=0.5), "threshold_lower"), (dict(mode="bypass", level="token"), "level"),
 ])
 def test_bad_spec_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"rollout_correction\.{field}[ =]"):
