@@ -165,7 +165,8 @@ class FilterGroupsSection:
     enable: bool = False
     # generation budget per step in batches of prompts_per_step groups (verl's max_num_gen_batches; >= 1,
     # 1 = no extra generation). A step that cannot fill its batch within it trains on what it has.
-    max_num_gen_batches: int = 4
+    max_num_gen_batches: int = 4  # 0 = unlimited (verl's meaning): a step waits for a full batch
+    metric: str = "acc"  # what must vary within a kept group (verl's names): acc | seq_reward
 
 
 @dataclass

@@ -24,6 +24,7 @@ def choices() -> dict[str, tuple | None]:
     from m2po_megatron.algo.rollout_correction import GEOMETRIC_ACTIONS, LEVELS as CORRECTION_LEVELS
     from m2po_megatron.algo.rollout_correction import MODES as CORRECTION_MODES
     from m2po_megatron.models.builder import ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES
+    from m2po_megatron.rollout.groups import FILTER_METRICS
     from m2po_megatron.rollout.weight_sync import PAUSE_MODES
 
     return {
@@ -44,6 +45,7 @@ def choices() -> dict[str, tuple | None]:
         "algo.rollout_correction.level": (None, *CORRECTION_LEVELS),
         "algo.rollout_correction.geometric_action": GEOMETRIC_ACTIONS,
         "staleness.mode": ("on_policy", "fixed_lag", "bounded"),
+        "train.filter_groups.metric": FILTER_METRICS,
         "staleness.behav_logprob_source": ("engine", "trainer"),
         "rollout.engine": ("local", "sglang"),
         "rollout.pause_mode": PAUSE_MODES,
@@ -60,7 +62,6 @@ POSITIVE = [
     "rollout.max_concurrency", "rollout.request_timeout_s", "rollout.health_timeout_s", "rollout.bucket_mb",
     "data.max_prompt_len", "reward.num_workers", "reward.timeout_s", "train.steps",
     "train.prompts_per_step", "train.updates_per_step", "train.micro_batch_tokens",
-    "train.filter_groups.max_num_gen_batches",
     "staleness.sync_interval", "eval.n_samples", "checkpoint.keep_last", "cluster.trainer_nodes",
     "cluster.object_store_memory_mb", "cluster.timeout_s", "logging.trace_limit",
 ]
@@ -70,7 +71,7 @@ NON_NEGATIVE = [
     "optim.min_lr", "optim.weight_decay", "optim.clip_grad", "optim.warmup_updates", "eval.interval",
     "checkpoint.interval", "rollout.max_retries", "rollout.max_restarts", "cluster.rollout_nodes",
     "cluster.gpus_per_node", "reward.format_score", "rollout.temperature", "algo.adv_eps", "optim.adam_eps",
-    "rollout.port", "checkpoint.stop_timeout_s",
+    "rollout.port", "checkpoint.stop_timeout_s", "train.filter_groups.max_num_gen_batches",
 ]
 
 

@@ -14,6 +14,7 @@ admission and batch selection on a simulated clock.
 from __future__ import annotations
 
 import queue
+import warnings
 import threading
 import time
 from typing import Callable, ContextManager, Optional, Protocol, runtime_checkable
@@ -107,7 +108,7 @@ class SyncGenerator:
                 else:
                     self.maker.drop_uninformative(g, self.ledger)
             need = self.groups_per_step - len(kept)
-            if need <= 0 or rounds >= self.max_gen_batches:
+            if need <= 0 or 0 < self.max_gen_batches <= rounds:  # 0: no limit
                 break
         if self.max_gen_batches is not None:
             self.maker.count_filter(kept_groups=len(kept), gen_batches=rounds)
@@ -331,8 +332,8 @@ class AsyncGenerator:
                 else:  # still generating: dropped when it arrives
                     self.discard.add(gid)
             ids = self.ctl.select_batch()
-            if ids is None and self._budget_spent():
-                ids = self.ctl.select_batch(n=len(self.finished))
+            if ids is None and self._budget_spent():  # the short batch, or none: as fixed_lag, never unbounded
+                ids = self.ctl.select_batch(n=len(self.finished)) if self.finished else []
             if ids is None:
                 return None
             self.ctl.on_consumed(ids)
@@ -340,8 +341,8 @@ class AsyncGenerator:
             return [self.finished.pop(g) for g in ids]
 
     def _budget_spent(self) -> bool:
-        """filter_groups: this step's generation budget is used up and some groups wait (lock held)."""
-        return (self.max_gen_batches is not None and 0 < len(self.finished) < self.groups_per_step
+        """filter_groups: this step's generation budget is used up (0: no budget) short of a batch (lock held)."""
+        return (bool(self.max_gen_batches) and len(self.finished) < self.groups_per_step
                 and self.finished_since_batch >= self.max_gen_batches * self.groups_per_step)
 
     def locked(self) -> ContextManager:
@@ -375,6 +376,7 @@ class AsyncGenerator:
     def state_dict(self) -> dict:
         with self.lock:
             return {"next_gid": self.next_gid, "controller": self.ctl.state_dict(),
+                    "finished_since_batch": self.finished_since_batch,  # a resume filters as the run would
                     "finished": [group_to_dict(g) for g in self.finished.values()],
                     "regenerate": [g.row for g in self.inflight.values()] + self.regenerate,
                     "inflight_ids": [s for g in self.inflight.values()
@@ -385,6 +387,7 @@ class AsyncGenerator:
         `interrupted` (counted) and their prompts regenerated first, under new ids."""
         self.ctl.load_state_dict(s["controller"])
         self.next_gid = s["next_gid"]
+        self.finished_since_batch = int(s.get("finished_since_batch", 0))  # absent in older checkpoints
         for d in s["finished"]:
             g = group_from_dict(d)
             self.finished[g.group_id] = g
@@ -413,8 +416,13 @@ def make_generator(cfg, client, rewards, tokenizer, prompts: PromptStream, ledge
 
     r, s, t = cfg.rollout, cfg.staleness, cfg.train
     budget = t.filter_groups.max_num_gen_batches if t.filter_groups.enable else None
+    if budget == 0:
+        warnings.warn("train.filter_groups.max_num_gen_batches = 0: no limit (verl's meaning); a step waits until "
+                      f"it has {t.prompts_per_step} groups whose {t.filter_groups.metric} varies, however many "
+                      "generation batches that takes", stacklevel=2)
     maker = GroupMaker(client, rewards, tokenizer, Tokenize(tokenizer, cfg.data.max_prompt_len),
-                       rollout_sampling(cfg), n=r.n_samples_per_prompt, seed=cfg.run.seed)
+                       rollout_sampling(cfg), n=r.n_samples_per_prompt, seed=cfg.run.seed,
+                       filter_metric=t.filter_groups.metric)
     if s.mode == "bounded":
         ctl = StalenessController(s.max_staleness, groups_per_step=t.prompts_per_step,
                                   updates_per_step=t.updates_per_step, sync_interval=s.sync_interval)

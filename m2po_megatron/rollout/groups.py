@@ -38,8 +38,10 @@ class GroupMaker:
     """Sends one prompt group to the rollout client and scores it. Shared by both generators. The client
     is a SyncRolloutClient (its own event loop thread); `submit` returns a concurrent Future."""
 
-    def __init__(self, client, rewards, tokenizer, tokenize: Tokenize, sampling: dict, n: int, seed: int):
+    def __init__(self, client, rewards, tokenizer, tokenize: Tokenize, sampling: dict, n: int, seed: int,
+                 filter_metric: str = "acc"):
         self.client, self.rewards, self.tok, self.tokenize = client, rewards, tokenizer, tokenize
+        self.filter_metric = filter_metric  # train.filter_groups.metric: what must vary within a kept group
         self.sampling, self.n, self.seed = sampling, n, seed
         self.reward_lock = threading.Lock()  # the reward pool serves one caller at a time
         self.reward_stats: dict = {}
@@ -82,12 +84,8 @@ class GroupMaker:
         for s, r in zip(samples, scores):
             s.reward = float(r)
 
-    @staticmethod
-    def informative(group: Group) -> bool:
-        """False when the rewards of the group's scored samples are all equal (GRPO's advantages are then
-        all 0); groups with fewer than two scored samples are kept (build_step_batch decides on them)."""
-        r = [s.reward for s in _answered(group.samples) if s.reward is not None]
-        return len(r) < 2 or max(r) != min(r)
+    def informative(self, group: Group) -> bool:
+        return informative(group, self.filter_metric)
 
     def drop_uninformative(self, group: Group, ledger) -> None:
         ledger.drop(group.sample_ids, "zero_variance")
@@ -117,6 +115,21 @@ class GroupMaker:
 
     def eval_rewards(self) -> LockedRewards:
         return LockedRewards(self.rewards, self.reward_lock)
+
+
+FILTER_METRICS = ("acc", "seq_reward")  # verl's algorithm.filter_groups.metric names
+
+
+def informative(group: Group, metric: str = "acc") -> bool:
+    """False when the metric is equal over the group's scored samples, as verl's filter_groups decides:
+    "acc" (1 for a correct answer, reward 1.0, else 0) or "seq_reward" (the reward itself, format_score
+    included). Groups with fewer than two scored samples are kept (build_step_batch decides on them)."""
+    if metric not in FILTER_METRICS:
+        raise ValueError(f"train.filter_groups.metric must be one of {FILTER_METRICS}, got {metric!r}")
+    r = [s.reward for s in _answered(group.samples) if s.reward is not None]
+    if metric == "acc":
+        r = [1.0 if x >= 1.0 else 0.0 for x in r]
+    return len(r) < 2 or max(r) != min(r)
 
 
 def _trace_request(gid: str, t0: float, fut) -> None:

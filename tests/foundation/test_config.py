@@ -73,6 +73,8 @@ def test_wrong_type_names_field():
     ("parallel.recompute_method=blocks", "did you mean 'block'"),
     ("parallel.recompute_num_layers=0", "parallel.recompute_num_layers"),
     ("eval.steps=[4,0]", "eval.steps"),
+    ("train.filter_groups.max_num_gen_batches=-1", "train.filter_groups.max_num_gen_batches"),
+    ("train.filter_groups.metric=score", "train.filter_groups.metric"),
 ])
 def test_range_and_choice_rules(override, needle):
     assert needle in err(None, [override])

@@ -8,6 +8,7 @@ from m2po_megatron.demo.tiny_tokenizer import build_tiny_tokenizer
 from m2po_megatron.reward import RewardPool
 from m2po_megatron.rollout.client import SampleResult
 from m2po_megatron.rollout.generators import AsyncGenerator, Generator, GroupMaker, SyncGenerator
+from m2po_megatron.rollout.groups import informative
 from m2po_megatron.rollout.updates import WeightUpdater
 from m2po_megatron.staleness import FixedLagQueue, SampleLedger, StalenessController
 
@@ -180,8 +181,56 @@ def test_informative_means_unequal_rewards_among_scored_samples(tok):
         return Group("g", "p", [1], "1", [Sample(f"g/{i}", "g", [1], [2], [0.0], [0], r, "1", reward=w)
                                           for i, (w, r) in enumerate(zip(rewards, reasons))])
 
-    assert not GroupMaker.informative(group([1.0, 1.0, 1.0]))
-    assert not GroupMaker.informative(group([0.0, 0.0]))
-    assert GroupMaker.informative(group([0.0, 1.0]))
-    assert GroupMaker.informative(group([1.0]))  # one scored sample: build_step_batch decides
-    assert not GroupMaker.informative(group([1.0, 0.0, 1.0], ["stop", "abort", "stop"]))  # the abort is not scored
+    for metric in ("acc", "seq_reward"):
+        assert not informative(group([1.0, 1.0, 1.0]), metric)
+        assert not informative(group([0.0, 0.0]), metric)
+        assert informative(group([0.0, 1.0]), metric)
+        assert informative(group([1.0]), metric)  # one scored sample: build_step_batch decides
+        assert not informative(group([1.0, 0.0, 1.0], ["stop", "abort", "stop"]), metric)  # the abort is not scored
+    # reward.format_score 0.1: a boxed wrong answer and no answer differ in reward, not in accuracy (verl's
+    # "acc" drops the group: all wrong; "seq_reward" keeps it)
+    assert not informative(group([0.1, 0.0, 0.1]), "acc") and informative(group([0.1, 0.0, 0.1]), "seq_reward")
+    assert GroupMaker(None, None, None, None, {}, n=2, seed=0, filter_metric="seq_reward").informative(
+        group([0.1, 0.0]))
+    with pytest.raises(ValueError, match="train.filter_groups.metric must be one of"):
+        informative(group([0.0, 1.0]), "score")
+
+
+def test_bounded_filter_groups_never_waits_past_its_budget_and_a_resume_keeps_the_count(tok):
+    """Issue 35: every group of a bounded step's budget is uniform. The step then takes an empty batch
+    (fixed_lag does the same) instead of waiting without bound; the count of finished groups is in the
+    checkpoint, so a generator restored after one uniform group takes its empty batch at the same point as
+    the uninterrupted one. max_num_gen_batches = 0 is verl's "no limit": it waits."""
+    import json
+
+    def uniform(gen, group):
+        gen._finish(group, _results(tok, ["no idea", "none"]))
+
+    with RewardPool(num_workers=1, timeout_s=20.0) as pool:
+        ledger = SampleLedger()
+        gen = AsyncGenerator(maker(tok, pool), PromptStream(ROWS, 0), ledger, controller(), 2, max_gen_batches=1)
+        first, second = gen._admit()[:2]
+        uniform(gen, first)
+        assert gen.finished_since_batch == 1
+        with pytest.raises(TimeoutError):
+            gen.next_groups(0, timeout_s=0.01)  # budget (1 batch = 2 groups) not spent yet
+        state = json.loads(json.dumps(gen.state_dict()))  # as a checkpoint stores it, with the ledger
+        assert state["finished_since_batch"] == 1
+        ledger2 = SampleLedger()
+        ledger2.load_state_dict(json.loads(json.dumps(ledger.state_dict())))
+        resumed = AsyncGenerator(maker(tok, pool), PromptStream(ROWS, 0), ledger2, controller(), 2,
+                                 max_gen_batches=1)
+        resumed.load_state_dict(state)  # the in-flight group is dropped (interrupted) and regenerated first
+        assert resumed.finished_since_batch == 1
+        for g in (gen, resumed):
+            one = second if g is gen else g._admit()[0]
+            uniform(g, one)
+            assert g.next_groups(0, timeout_s=5) == []  # the budget is spent: an empty batch, no wait
+            g.on_step(0, updates=0)  # the loop: nothing trained, the controller takes the updates back
+            assert g.finished_since_batch == 0 and g.ctl.state_dict()["version"] == 0
+        unlimited = AsyncGenerator(maker(tok, pool), PromptStream(ROWS, 0), SampleLedger(), controller(), 2,
+                                   max_gen_batches=0)
+        for group in unlimited._admit()[:2]:
+            uniform(unlimited, group)
+        with pytest.raises(TimeoutError):
+            unlimited.next_groups(0, timeout_s=0.01)
