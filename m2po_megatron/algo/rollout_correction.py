@@ -57,14 +57,19 @@ from m2po_megatron.algo._layout import (
 
 Tensor = torch.Tensor
 
-MODES = ("bypass", "tis", "mis", "icepop", "geometric")
+MODES = ("bypass", "tis", "mis", "icepop", "geometric", "clip")
 LEVELS = ("token", "sequence")
-GEOMETRIC_ACTIONS = ("mask", "truncate")
+GEOMETRIC_ACTIONS = ("mask", "truncate", "clip")
+# verl's rollout_rs criteria beyond the k1 bands (those are mis and geometric): an upper bound on k2 = d^2/2
+# or k3 = exp(d) - 1 - d, per token, or per sequence as their sum, mean or max.
+REJECTIONS = ("token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3", "seq_max_k2",
+              "seq_max_k3")
 SAFETY_BOUND = 20.0  # verl's and slime's bound on a log-weight before exp (exp(20) ~ 4.9e8)
 QUANTILES = (0.01, 0.5, 0.99)
 
 _CORR = ("n_tokens", "n_seqs", "k1_sum", "k3_sum", "ratio_min", "ratio_p1", "ratio_p50", "ratio_p99",
-         "ratio_max", "n_truncated", "n_masked", "n_seqs_masked", "weight_sum", "n_kept")
+         "ratio_max", "n_truncated", "n_masked", "n_seqs_masked", "weight_sum", "n_kept", "ess_w_sum",
+         "ess_w_sq_sum", "rho_sq_sum", "seq_rho_sq_sum", "norm_factor", "n_vetoed_seqs", "n_rejected")
 _PARTS = ("n_tokens",) + tuple(f"{p}_{s}" for p in ("drift", "mismatch", "total") for s in ("sum", "sq_sum")) + (
     "cross_sum",)
 
@@ -85,6 +90,10 @@ class CorrectionSpec:
     threshold: float = 2.0
     threshold_lower: float | None = None
     geometric_action: str = "mask"
+    batch_normalize: bool = False  # verl rollout_is_batch_normalize, slime --tis-batch-normalize
+    veto_threshold: float | None = None  # slime --rs-veto-threshold: drop a sequence with a token p/b below it
+    rejection: str | None = None  # verl rollout_rs k2/k3 criteria (REJECTIONS), on top of the mode
+    rejection_threshold: float | None = None  # verl rollout_rs_threshold: the criterion's upper bound
 
     def __post_init__(self):
         f = "rollout_correction"
@@ -107,14 +116,30 @@ class CorrectionSpec:
                                or lo >= c):
             raise ValueError(f"{f}.threshold_lower must be a number with 0 <= threshold_lower <= 1 and "
                              f"threshold_lower < threshold={c}, got {lo!r}")
-        if lo is not None and not self.masks:  # a bound the mode never applies: contradicts what the user asked
+        if lo is not None and not (self.masks or self.clips):  # a bound the mode never applies
             raise ValueError(f"{f}.threshold_lower={lo!r} has no effect with mode={self.mode!r}"
                              + (f", geometric_action={self.geometric_action!r}" if self.mode == "geometric" else "")
-                             + ": only the masking modes (mis, icepop, geometric with geometric_action=mask) have a "
-                             "lower bound; remove threshold_lower or pick a masking mode")
+                             + ": only the masking and clipping modes (mis, icepop, clip, geometric with mask or clip) "
+                             "have a lower bound; remove threshold_lower or pick one of those modes")
         if self.mode == "bypass" and self.level is not None:
             raise ValueError(f"{f}.level={self.level!r} has no effect with mode='bypass' (no correction); remove "
                              f"level or pick mode tis or mis")
+        if self.mode == "bypass" and (self.batch_normalize or self.veto_threshold is not None or self.rejection):
+            raise ValueError(f"{f}.mode='bypass' has no weights to normalise and no proximal log-probs to reject "
+                             f"on: batch_normalize, veto_threshold and rejection need a correction mode (e.g. tis)")
+        v = self.veto_threshold
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1):
+            raise ValueError(f"{f}.veto_threshold must be in (0, 1) (slime's rs_veto_threshold, e.g. 1e-4), got {v!r}")
+        if self.rejection is not None and self.rejection not in REJECTIONS:
+            raise ValueError(f"{f}.rejection must be one of {REJECTIONS} (verl's rollout_rs; its k1 bands are "
+                             f"mode=mis and mode=geometric), got {self.rejection!r}")
+        t = self.rejection_threshold
+        if (self.rejection is None) != (t is None):
+            raise ValueError(f"{f}.rejection and {f}.rejection_threshold go together: set both or neither")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t)
+                              or t <= 0):
+            raise ValueError(f"{f}.rejection_threshold must be a finite number > 0 (an upper bound on "
+                             f"{self.rejection}), got {t!r}")
         if self.masks and lo is None and c == 1:
             raise ValueError(f"{f}.threshold=1: the band [1/threshold, threshold] is a single point; use "
                              f"threshold > 1 or set threshold_lower")
@@ -133,6 +158,11 @@ class CorrectionSpec:
     @property
     def truncates(self) -> bool:
         return self.mode == "tis" or (self.mode == "geometric" and self.geometric_action == "truncate")
+
+    @property
+    def clips(self) -> bool:
+        """Two-sided clip of the weight to the band, nothing dropped (slime's tis_mode=clip)."""
+        return self.mode == "clip" or (self.mode == "geometric" and self.geometric_action == "clip")
 
     def band(self) -> tuple[float, float]:
         """[lo, hi] in log space (lo may be -inf)."""
@@ -179,6 +209,8 @@ def rollout_correction(proximal: Tensor | None, behaviour: Tensor, mask: Tensor,
     level = spec.resolved_level
     if level != "token" and not vt.known_seqs:
         raise ValueError(f"{where}: level {level!r} needs sequences; pass seq_ids with flat inputs")
+    if not vt.known_seqs and (spec.veto_threshold is not None or (spec.rejection or "token").startswith("seq")):
+        raise ValueError(f"{where}: veto_threshold and sequence rejection criteria need sequences; pass seq_ids")
     has_p = proximal is not None
     with torch.no_grad():
         b = vt.take(behaviour).detach()
@@ -207,11 +239,36 @@ def rollout_correction(proximal: Tensor | None, behaviour: Tensor, mask: Tensor,
             keep, weights = valid, one
         elif spec.truncates:
             keep, weights = valid, torch.where(valid, w.clamp(max=spec.threshold), one)
+        elif spec.clips:
+            lo, hi = spec.band()
+            keep, weights = valid, torch.where(valid, torch.exp(lw.clamp(lo, hi)), one)
         else:
             lo, hi = spec.band()
             keep = valid & (lw >= lo) & (lw <= hi)
             weights = torch.where(keep, w, torch.where(valid, zero, one))
-        values = _correction_stats(vt, valid, d, truncated, keep, weights, bad)
+        before = keep
+        vetoed = torch.zeros_like(valid)
+        if spec.veto_threshold is not None:  # slime: a sequence with one token far below the engine's goes whole
+            low = valid & (d < math.log(spec.veto_threshold))
+            vetoed = valid & (vt.seq_sum(low.to(dtype)) > 0)[vt.seq]
+            keep = keep & ~vetoed
+        if spec.rejection:
+            keep = keep & _passes(vt, valid, d, spec.rejection, spec.rejection_threshold)
+        weights = torch.where(keep, weights, torch.where(valid, zero, one))
+        factor = torch.ones((), dtype=dtype, device=b.device)
+        if spec.batch_normalize:  # verl: mean 1 over the tokens (token level) or the sequences it weighs
+            kw = torch.where(keep, weights, zero)
+            if level == "token":
+                mean = kw.sum() / keep.sum().clamp(min=1)
+            else:
+                n_k = vt.seq_sum(keep.to(dtype))
+                seq_w = vt.seq_sum(kw) / n_k.clamp(min=1)
+                mean = (seq_w * (n_k > 0)).sum() / (n_k > 0).sum().clamp(min=1)
+            factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean))
+            weights = torch.where(keep, weights / factor, weights)
+        ess_w = torch.exp(lw.clamp(-log_c, log_c))  # verl's ESS: the level weights clamped to [1/C, C]
+        values = _correction_stats(vt, valid, d, truncated, keep, weights, bad, ess_w, factor,
+                                   vetoed, before & ~keep & ~vetoed)
     return Correction(weights=weights.reshape(vt.shape), keep=keep.reshape(vt.shape),
                       stats=DeviceStats(values, "correction" if has_p else "correction_nop", where,
                                         ("proximal", "behaviour")))
@@ -235,7 +292,22 @@ def _masked_quantiles(x: Tensor, valid: Tensor, n: Tensor, qs) -> Tensor:
     return torch.where(n > 0, out, torch.full_like(out, math.nan))
 
 
-def _correction_stats(vt, valid, d, truncated, keep, weights, bad) -> Tensor:
+def _passes(vt, valid, d: Tensor, rejection: str, threshold: float) -> Tensor:
+    """verl's rollout_rs k2/k3 criteria: True where the token (or its sequence) is within the bound."""
+    dc = d.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    stat = 0.5 * dc.square() if rejection.endswith("k2") else torch.expm1(dc) - dc
+    stat = torch.where(valid, stat, torch.zeros_like(stat))
+    if rejection.startswith("token"):
+        return stat <= threshold
+    s = vt.seq_sum(stat)
+    if rejection.startswith("seq_mean"):
+        s = s / vt.seq_sum(valid.to(stat.dtype)).clamp(min=1)
+    elif rejection.startswith("seq_max"):
+        s = torch.zeros_like(s).scatter_reduce(0, vt.seq, stat, reduce="amax", include_self=False)
+    return (s <= threshold)[vt.seq]
+
+
+def _correction_stats(vt, valid, d, truncated, keep, weights, bad, ess_w, factor, vetoed, rejected) -> Tensor:
     f64 = torch.float64
     d64 = d.to(f64)
     zero = torch.zeros((), dtype=f64, device=d.device)
@@ -247,11 +319,21 @@ def _correction_stats(vt, valid, d, truncated, keep, weights, bad) -> Tensor:
     else:
         n_seqs = n_seqs_masked = torch.full((), -1.0, dtype=f64, device=d.device)
     q = _masked_quantiles(torch.exp(d64), valid, n, QUANTILES)
+    e = torch.where(keep, ess_w.to(f64), zero)
+    dc = d64.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    if vt.known_seqs:  # verl's chi2_seq: E over sequences of (prod of the token ratios)^2, minus 1
+        has = vt.seq_sum(valid.to(f64)) > 0
+        seq_rho = torch.where(has, torch.exp(2 * vt.seq_sum(d64).clamp(-SAFETY_BOUND, SAFETY_BOUND)), zero).sum()
+        n_vetoed = (vt.seq_sum(vetoed.to(f64)) > 0).sum().to(f64)
+    else:
+        seq_rho = n_vetoed = torch.full((), -1.0, dtype=f64, device=d.device)
     return torch.cat([torch.stack([
         n.to(f64), n_seqs, (-d64).sum(), torch.where(valid, torch.expm1(d64) - d64, zero).sum(),
     ]), q, torch.stack([
         truncated.sum().to(f64), dropped.sum().to(f64), n_seqs_masked,
         torch.where(keep, weights.to(f64), zero).sum(), keep.sum().to(f64),
+        e.sum(), e.square().sum(), torch.where(valid, torch.exp(2 * dc), zero).sum(), seq_rho,
+        factor.to(f64), n_vetoed, rejected.sum().to(f64),
     ]), bad.to(f64)])
 
 
@@ -314,12 +396,20 @@ def _correction_metrics(row, has_mismatch: bool) -> dict[str, float]:
         "rollout_corr/count_tokens": n,
         "rollout_corr/count_kept": v["n_kept"],
     }
+    k = v["n_kept"]
+    out["rollout_corr/ess"] = v["ess_w_sum"] ** 2 / (k * v["ess_w_sq_sum"]) if k and v["ess_w_sq_sum"] > 0 else 0.0
+    out["rollout_corr/batch_norm_factor"] = v["norm_factor"]
+    out["rollout_corr/rejected_frac"] = _mean(v["n_rejected"], n)
     if v["n_seqs"] >= 0:
         out["rollout_corr/seq_masked_frac"] = _mean(v["n_seqs_masked"], v["n_seqs"])
         out["rollout_corr/count_seqs"] = v["n_seqs"]
+        out["rollout_corr/vetoed_seq_frac"] = _mean(v["n_vetoed_seqs"], v["n_seqs"])
     if has_mismatch:
         out["rollout_corr/kl_k1"] = _mean(v["k1_sum"], n)
         out["rollout_corr/kl_k3"] = _mean(v["k3_sum"], n)
+        out["rollout_corr/chi2_token"] = _mean(v["rho_sq_sum"], n) - 1.0 if n else 0.0
+        if v["n_seqs"] > 0:
+            out["rollout_corr/chi2_seq"] = v["seq_rho_sq_sum"] / v["n_seqs"] - 1.0
         for key in ("ratio_min", "ratio_p1", "ratio_p50", "ratio_p99", "ratio_max"):
             out[f"rollout_corr/{key}"] = v[key]
     return out

@@ -78,11 +78,15 @@ class RolloutCorrectionSection:
     """The three-policy objective's correction of proximal/behaviour (algo/rollout_correction.py; docs/algo.md
     gives verl's, slime's, AReaL's and NeMo-RL's names for each). bypass (the default) is the two-policy loss
     on theta/behaviour; any other mode adds a no-grad pass per step for the proximal log-probs."""
-    mode: str = "bypass"  # bypass | tis (truncated IS) | mis (masked IS) | icepop (token band) | geometric
-    level: Optional[str] = None  # tis, mis: token (default) | sequence; icepop is token, geometric sequence
-    threshold: float = 2.0  # C >= 1: tis caps the weight at C; the masking modes keep [1/C, C]
+    mode: str = "bypass"  # bypass | tis (truncated IS) | mis (masked IS) | icepop (token band) | geometric | clip
+    level: Optional[str] = None  # tis, mis, clip: token (default) | sequence; icepop is token, geometric sequence
+    threshold: float = 2.0  # C >= 1: tis caps the weight at C; the masking modes keep [1/C, C]; clip clamps to it
     threshold_lower: Optional[float] = None  # the band's lower end in [0, 1), below threshold; default 1/C
-    geometric_action: str = "mask"  # geometric only: mask (drop outside the band) | truncate (cap at C)
+    geometric_action: str = "mask"  # geometric only: mask (drop outside the band) | truncate (cap at C) | clip
+    batch_normalize: bool = False  # weights to mean 1 over the step's kept tokens (verl's, slime's option)
+    veto_threshold: Optional[float] = None  # slime's rs_veto_threshold: drop a sequence with a token p/b below it
+    rejection: Optional[str] = None  # verl's rollout_rs k2/k3 criteria: token_k2 ... seq_max_k3, on top of mode
+    rejection_threshold: Optional[float] = None  # its upper bound (verl's rollout_rs_threshold)
 
 
 @dataclass

@@ -22,7 +22,7 @@ def choices() -> dict[str, tuple | None]:
     from m2po_megatron.algo.losses import AGG_MODES, LOSSES
     from m2po_megatron.algo.mask import M2_TOKENS, RULES
     from m2po_megatron.algo.rollout_correction import GEOMETRIC_ACTIONS, LEVELS as CORRECTION_LEVELS
-    from m2po_megatron.algo.rollout_correction import MODES as CORRECTION_MODES
+    from m2po_megatron.algo.rollout_correction import MODES as CORRECTION_MODES, REJECTIONS
     from m2po_megatron.models.builder import ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES
     from m2po_megatron.rollout.groups import FILTER_METRICS
     from m2po_megatron.rollout.weight_sync import PAUSE_MODES
@@ -44,6 +44,7 @@ def choices() -> dict[str, tuple | None]:
         "algo.rollout_correction.mode": CORRECTION_MODES,
         "algo.rollout_correction.level": (None, *CORRECTION_LEVELS),
         "algo.rollout_correction.geometric_action": GEOMETRIC_ACTIONS,
+        "algo.rollout_correction.rejection": (None, *REJECTIONS),
         "staleness.mode": ("on_policy", "fixed_lag", "bounded"),
         "train.filter_groups.metric": FILTER_METRICS,
         "staleness.behav_logprob_source": ("engine", "trainer"),
@@ -171,7 +172,8 @@ def _check_rollout_correction(cfg: DictConfig, errors: list[str]) -> None:
 
     rc = cfg.algo.rollout_correction
     allowed = choices()
-    if any(rc[k] not in allowed[f"algo.rollout_correction.{k}"] for k in ("mode", "level", "geometric_action")):
+    if any(rc[k] not in allowed[f"algo.rollout_correction.{k}"] for k in ("mode", "level", "geometric_action",
+                                                                        "rejection")):
         return  # already reported, with a suggestion
     try:
         CorrectionSpec(**dict(rc))

@@ -4,6 +4,8 @@ cases worked out by hand. The comparison with verl's and slime's own code is tes
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from m2po_megatron.algo.rollout_correction import (
@@ -21,6 +23,11 @@ SPECS = [
     CorrectionSpec("icepop", threshold=5.0, threshold_lower=0.5),
     CorrectionSpec("geometric", threshold=1.001, threshold_lower=0.999),
     CorrectionSpec("geometric", threshold=1.0, geometric_action="truncate"),
+    CorrectionSpec("clip", threshold=1.5), CorrectionSpec("clip", "sequence", threshold_lower=0.0),
+    CorrectionSpec("geometric", threshold=1.01, geometric_action="clip"),
+    CorrectionSpec("tis", batch_normalize=True), CorrectionSpec("mis", "sequence", batch_normalize=True),
+    CorrectionSpec("tis", veto_threshold=1e-4, rejection="seq_max_k3", rejection_threshold=0.5),
+    CorrectionSpec("icepop", threshold=5.0, rejection="token_k2", rejection_threshold=0.1),
 ]
 
 
@@ -161,7 +168,11 @@ def test_nonfinite_input_is_dropped_then_raises_on_read():
 @pytest.mark.parametrize("kwargs, field", [
     (dict(mode="is"), "mode"), (dict(mode="tis", level="seq"), "level"),
     (dict(mode="icepop", level="sequence"), "level"), (dict(mode="geometric", level="token"), "level"),
-    (dict(mode="geometric", geometric_action="clip"), "geometric_action"),
+    (dict(mode="geometric", geometric_action="cap"), "geometric_action"),
+    (dict(mode="tis", veto_threshold=1.5), "veto_threshold"), (dict(mode="bypass", batch_normalize=True), "mode"),
+    (dict(mode="tis", rejection="seq_max_k1", rejection_threshold=0.1), "rejection"),
+    (dict(mode="tis", rejection="seq_max_k3"), "rejection"),
+    (dict(mode="tis", rejection="token_k2", rejection_threshold=-1.0), "rejection_threshold"),
     (dict(mode="tis", threshold=0.5), "threshold"), (dict(mode="tis", threshold=math.inf), "threshold"),
     (dict(mode="tis", threshold=True), "threshold"), (dict(mode="mis", threshold=1.0), "threshold"),
     (dict(mode="mis", threshold=2.0, threshold_lower=1.5), "threshold_lower"),
@@ -249,3 +260,24 @@ def test_no_host_sync_on_cuda():  # the gpu marker skips it without CUDA (tests/
         ratio_parts(p, p, b, mask)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@settings(max_examples=200, deadline=None)
+@given(spec=st.sampled_from(SPECS), rows=st.integers(1, 6), cols=st.integers(1, 10), density=st.floats(0, 1),
+       seed=st.integers(0, 10_000), flat=st.booleans())
+def test_every_option_handles_every_batch_shape(spec, rows, cols, density, seed, flat):
+    """Issue 35: any option, on any shape a step can produce (one token, empty sequences, nothing valid at
+    all, padded or flat): finite weights, kept tokens among the valid ones, metrics that read."""
+    g = torch.Generator().manual_seed(seed)
+    b = -5 * torch.rand(rows, cols, generator=g)
+    p = b + 3 * torch.randn(rows, cols, generator=g)
+    mask = torch.rand(rows, cols, generator=g) < density
+    kw = {}
+    if flat:
+        kw = dict(seq_ids=torch.arange(rows).repeat_interleave(cols)[mask.reshape(-1)], num_seq_ids=rows)
+        p, b, mask = p[mask], b[mask], torch.ones(int(mask.sum()), dtype=torch.bool)
+    c = rollout_correction(p, b, mask, spec, **kw)
+    (m,) = read_stats([c.stats])
+    assert torch.isfinite(c.weights).all() and not (c.keep & ~mask).any()
+    assert (c.weights[mask & ~c.keep] == 0).all() and all(math.isfinite(v) for k, v in m.items()
+                                                           if not k.startswith("rollout_corr/ratio_"))
