@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-__all__ = ["TraceWriter", "close_trace", "complete", "enabled", "flush", "merge_trace", "open_from_env", "open_trace",
+__all__ = ["TraceWriter", "base_row", "close_trace", "complete", "misnested", "enabled", "flush", "merge_trace", "open_from_env", "open_trace",
            "read_trace", "span", "trace_env", "DEFAULT_LIMIT"]
 
 DEFAULT_LIMIT = 20_000  # spans per category kept in full before sampling starts
@@ -76,8 +76,12 @@ class TraceWriter:
         with self._lock:
             if self._file is None or not self._keep(cat):
                 return
-            ev = {"ph": "X", "name": name, "cat": cat, "pid": self._pid, "tid": tid,
-                  "ts": round(t0 * 1e6 + self._offset_us, 1), "dur": round(max(t1 - t0, 0.0) * 1e6, 1)}
+            # whole microseconds, start and end rounded alike: a span that ends before the next begins still
+            # does after rounding, and a child stays inside its parent (epoch us in a float64 are only
+            # 0.25 us apart, so finer rounding would not hold)
+            ts = round(t0 * 1e6 + self._offset_us)
+            ev = {"ph": "X", "name": name, "cat": cat, "pid": self._pid, "tid": tid, "ts": ts,
+                  "dur": max(round(t1 * 1e6 + self._offset_us) - ts, 0)}
             if args:
                 ev["args"] = args
             self._emit(ev)
@@ -223,5 +227,54 @@ def _join(parts: list[Path]) -> dict:
                     dropped[k] = dropped.get(k, 0) + int(v)
             else:
                 events.append(ev)
-    events.sort(key=lambda e: (e.get("ph") != "M", e.get("ts", 0)))
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"dropped": dropped}}
+    events.sort(key=lambda e: (e.get("ph") != "M", e.get("ts", 0), -e.get("dur", 0)))
+    return {"traceEvents": nest(events), "displayTimeUnit": "ms", "otherData": {"dropped": dropped}}
+
+
+def misnested(events: list[dict]) -> list[tuple]:
+    """The pairs of complete events that break the Trace Event Format's rule for one (pid, tid) row: any two
+    slices are disjoint or one contains the other (empty: a viewer shows every slice)."""
+    rows: dict = {}
+    for e in events:
+        if e.get("ph") == "X":
+            rows.setdefault((e.get("pid"), e.get("tid")), []).append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
+    bad = []
+    for row in rows.values():
+        row.sort(key=lambda x: (x[0], -x[1]))  # a parent before the children that start with it
+        for i, (a0, a1, an) in enumerate(row):
+            for b0, b1, bn in row[i + 1:]:
+                if b0 >= a1:
+                    break  # sorted by start: every later slice starts after this one ends
+                if b1 > a1:  # starts inside, ends outside
+                    bad.append(((a0, a1, an), (b0, b1, bn)))
+    return bad
+
+
+def base_row(tid) -> str:
+    """The row an event was written to, before nest() moved it to an extra row "<tid> #k"."""
+    head, sep, k = str(tid).rpartition(" #")
+    return head if sep and k.isdigit() else str(tid)
+
+
+def nest(events: list[dict]) -> list[dict]:
+    """Complete ("X") events moved to extra rows "<tid> #2", "#3"... where they overlap without nesting on one
+    row (concurrent requests on one server, spans of two threads): the Trace Event Format requires the
+    slices of a row to nest, and Perfetto drops those that do not. Each event keeps the first row where it
+    fits; events must come sorted by start, longer first on ties (as _join sorts them)."""
+    open_ends: dict[tuple, list[list[float]]] = {}  # (pid, tid) -> per lane, the ends of its open slices
+    for ev in events:
+        if ev.get("ph") != "X":
+            continue
+        ts, end = ev["ts"], ev["ts"] + ev.get("dur", 0)
+        lanes = open_ends.setdefault((ev.get("pid"), ev.get("tid")), [])
+        for k, stack in enumerate(lanes + [[]]):
+            while stack and stack[-1] <= ts:
+                stack.pop()
+            if not stack or end <= stack[-1]:  # disjoint from the lane's open slices, or inside the innermost
+                if k == len(lanes):
+                    lanes.append(stack)
+                stack.append(end)
+                if k:
+                    ev["tid"] = f"{ev.get('tid')} #{k + 1}"
+                break
+    return events

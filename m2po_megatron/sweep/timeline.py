@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from m2po_megatron.infra.trace import read_trace
+from m2po_megatron.infra.trace import base_row, read_trace
 
 __all__ = ["format_utilisation", "union_seconds", "utilisation"]
 
@@ -51,14 +51,14 @@ def utilisation(run_dir: str | Path) -> dict:
     loop: dict[str, list] = defaultdict(list)
     for e in events:
         iv = (e["ts"], e["ts"] + e["dur"])
-        proc = names.get(e["pid"], str(e["pid"]))
+        proc, tid = names.get(e["pid"], str(e["pid"])), base_row(e.get("tid"))
         if e.get("cat") == "request":
-            rows[f"server {e['tid']}"].append(iv)
+            rows[f"server {tid}"].append(iv)
         elif e.get("cat") == "engine":  # the CPU server's own decode steps and prefills
             rows[f"{proc} engine"].append(iv)
-        elif proc.startswith("trainer") and e.get("tid") == "main" and e["name"] in RANK_SPANS:
+        elif proc.startswith("trainer") and tid == "main" and e["name"] in RANK_SPANS:
             rows[proc].append(iv)
-        elif proc == "loop" and e.get("tid") == "loop" and e["name"] in LOOP_PHASES:
+        elif proc == "loop" and tid == "loop" and e["name"] in LOOP_PHASES:
             loop[e["name"]].append(iv)
     frac = lambda ivs: union_seconds(ivs) / window_us if window_us > 0 else 0.0  # noqa: E731
     return {"window_s": window_us / 1e6,

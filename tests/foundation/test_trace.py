@@ -6,7 +6,7 @@ import time
 import pytest
 
 from m2po_megatron.infra import trace
-from m2po_megatron.infra.trace import TraceWriter, merge_trace, read_trace
+from m2po_megatron.infra.trace import TraceWriter, merge_trace, misnested, read_trace
 from m2po_megatron.sweep.timeline import union_seconds, utilisation
 
 
@@ -107,3 +107,25 @@ def test_union_and_utilisation(tmp_path):
     assert u["loop"] == pytest.approx({"wait_rollout": 0.6, "train_step": 0.4})
     comp = {c["component"]: c["busy_frac"] for c in u["components"]}
     assert comp == pytest.approx({"server http://10.0.0.1:30000": 0.6, "trainer rank 0": 0.3})
+
+
+def test_overlapping_spans_of_one_row_go_to_extra_rows_so_every_row_nests(tmp_path):
+    """Concurrent requests on one server's row overlap without nesting; the merged timeline moves each to
+    the first row of that server where it nests, and keeps nested and back-to-back spans where they were."""
+    w = TraceWriter(tmp_path / "trace" / "server.jsonl", "server")
+    t = time.perf_counter()
+    for i, (a, b) in enumerate([(0.0, 1.0), (0.5, 1.5), (0.7, 0.9), (1.2, 2.0), (1.0, 1.1), (0.6, 1.6)]):
+        w.complete(f"req{i}", "request", t + a, t + b, tid="http://h:1")
+    w.complete("step", "loop", t, t + 1.0, tid="loop")
+    w.complete("inner", "loop", t + 0.25, t + 0.5, tid="loop")
+    w.complete("next", "loop", t + 1.0, t + 2.0, tid="loop")  # back to back with "step"
+    w.close()
+    doc = json.loads(merge_trace(tmp_path).read_text())
+    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    raw = [json.loads(line) for line in (tmp_path / "trace" / "server.jsonl").read_text().splitlines()]
+    assert misnested([e for e in raw if e.get("ph") == "X"])  # as written, the server row misnests
+    assert misnested(xs) == []
+    row = {e["name"]: e["tid"] for e in xs}
+    assert row == {"req0": "http://h:1", "req1": "http://h:1 #2", "req2": "http://h:1", "req3": "http://h:1",
+                   "req4": "http://h:1", "req5": "http://h:1 #3", "step": "loop", "inner": "loop", "next": "loop"}
+    assert len(xs) == 9  # none lost

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from m2po_megatron.infra.trace import misnested
 from m2po_megatron.run.metrics import read_metrics
 
 RUN_TIMEOUT = 900
@@ -109,6 +110,7 @@ def assert_timeline(run: Path, steps: int, updates: int, ranks: int, groups: int
     assert by("trainer rank 0", "sync_weights")
     for outer, inner in zip(by("loop", "train_step"), by("trainer rank 0", "train_step")):  # the rank inside the loop
         assert outer["ts"] - 1e3 <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + 1e3
+    assert misnested(doc["traceEvents"]) == []  # every row nests: Perfetto shows every slice
     reqs = [e for e in xs if e["cat"] == "request"]
     assert len(reqs) >= groups and all(e["tid"].startswith("http://") and e["args"]["n"] == 4 for e in reqs)
     decode = [e for e in xs if e["cat"] == "engine" and e["name"] == "decode"]
