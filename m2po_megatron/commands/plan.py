@@ -218,16 +218,21 @@ def _plan(args) -> int:
 def format_plan(res: dict, recipe: str, gpus: int, gpu: str) -> str:
     head = (f"{recipe} on {gpus} x {gpu}: {res['layouts']} layouts, {res['over_memory']} over memory, "
             f"{sum(res['skipped'].values())} refused by validation; best {len(res['ranked'])} simulated")
-    cols = ("rank", "train GPUs", "TPxPPxDP", "rollout", "sync int", "tokens/s", "steps/h", "idle T/R %",
-            "stale mean/max", "sync s", "mem GiB")
+    cols = ("rank", "train GPUs", "TPxPPxDP", "rollout", "sync int", "tokens/s", "mem GiB/GPU", "steps/h",
+            "idle T/R %", "stale mean/max", "sync s")
     lines = [head, " | ".join(cols), " | ".join("-" * len(c) for c in cols)]
     for i, c in enumerate(res["ranked"], 1):
         lay, p = c.layout, c.predicted
         lines.append(" | ".join([
             str(i), str(lay.trainer_gpus), f"{lay.tp}x{lay.pp}x{lay.dp}", f"{lay.num_servers} x TP{lay.rollout_tp}",
-            str(c.overrides.get("staleness.sync_interval", "-")), f"{p['tokens_per_s']:.0f}",
+            str(c.overrides.get("staleness.sync_interval", "-")), f"{p['tokens_per_s']:.0f}", f"{c.memory_gb:.1f}",
             f"{p['steps_per_hour']:.1f}", f"{100 * p['trainer_idle_frac']:.0f}/{100 * p['rollout_idle_frac']:.0f}",
-            f"{p['staleness_mean']:.1f}/{p['staleness_max']}", f"{p['sync_s']:.1f}", f"{c.memory_gb:.1f}"]))
+            f"{p['staleness_mean']:.1f}/{p['staleness_max']}", f"{p['sync_s']:.1f}"]))
+    lines.append("mem GiB/GPU: the trainer's memory estimate per GPU (models/memory.py); idle T/R %: the share of "
+                 "the simulated wall time, after the warm-up steps, that the trainer (T) is not training and "
+                 "a rollout server (R, the mean over servers) has no request in flight")
+    for reason, n in res["skipped"].items():
+        lines.append(f"refused by validation ({n} layouts): {reason}")
     return "\n".join(lines)
 
 

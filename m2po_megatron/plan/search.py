@@ -97,14 +97,15 @@ def layouts(cfg: DictConfig, gpus: int, gpus_per_node: int) -> list[tuple[Layout
 
 def check(cfg: DictConfig, overrides: dict) -> Optional[str]:
     """None when the recipe with `overrides` passes the config's validation (what `m2po config` runs, memory
-    estimate included), else the first error."""
+    estimate included), else its first error, whole (the field and the fix; not the "invalid config:" head)."""
     from m2po_megatron.config import ConfigError, validate
 
     c = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides.items()]))
     try:
         validate(c, check_files=False)
     except ConfigError as e:
-        return str(e).splitlines()[0]
+        lines = [ln.strip().removeprefix("- ") for ln in str(e).splitlines()]
+        return next((ln for ln in lines if ln and ln != "invalid config:"), str(e))
     return None
 
 
@@ -178,7 +179,7 @@ def plan(cfg: DictConfig, gpus: int, gpus_per_node: int = 8, gpu: str = "h100", 
         checked += 1
         err = check(base, c.overrides)
         if err is not None:
-            skipped[err[:100]] = skipped.get(err[:100], 0) + 1
+            skipped[err] = skipped.get(err, 0) + 1
             continue
         ranked.append(c)
     # layouts that differ only where the costs do not (TP2xDP16 and TP4xDP8) simulate once

@@ -53,3 +53,18 @@ def test_predicted_against_measured_errors():
     assert summary_error("wait_s", 0.0, 0.0004, 0.83) is None
     assert summary_error("wait_s", 0.30, 0.25, 0.83) == pytest.approx(0.2)
     assert summary_error("tokens_per_s", 1.0, 0.0, 0.8) is None
+
+
+def test_a_refused_split_names_its_whole_reason_and_the_table_says_what_idle_is():
+    from m2po_megatron.commands.plan import format_plan
+    from m2po_megatron.plan.search import check, plan
+
+    cfg = load_config("recipes/paper/qwen3-8b-base.yaml", [], check_files=False)
+    err = check(cfg, {"parallel.tensor_model_parallel_size": 3})
+    assert "parallel.tensor_model_parallel_size = 3" in err and err.endswith("must sit on one node"), err
+    assert "invalid config" not in err
+    res = plan(cfg, 16, 8, "h100", top=2)
+    text = format_plan(res, "qwen3-8b", 16, "h100")
+    header = text.splitlines()[1].split(" | ")
+    assert header.index("mem GiB/GPU") == header.index("tokens/s") + 1  # memory beside throughput
+    assert "idle T/R %: the share of the simulated wall time" in text
