@@ -24,12 +24,15 @@ toy-table1-fair: setup
 	$(PY) -m m2po_megatron.cli sweep recipes/sweeps/toy-table1-fair.yaml --local -j 2
 	$(PY) -m m2po_megatron.cli report runs/toy-table1-fair --out runs/toy-table1-fair/report
 
-# The pre-registered calibration of issue 34 (docs/reproduce.md): 30 runs of 100 steps, then the criteria.
+# The pre-registered calibration of issue 34 (docs/reproduce.md): 30 runs of 100 steps, the fallback axis's 20
+# (no cell of the first grid matched), then the criteria.
 toy-calibration: setup
 	@test -f .cache/tiny-task-fair/build_info.json || $(PY) tools/build_tiny_model.py .cache/tiny-task-fair --seed 0 \
 		--target-accuracy 0.35 --check-every 10 --n-eval 256 --n-train 256 --disjoint-train --uniform-splits
 	$(PY) -m m2po_megatron.cli sweep recipes/sweeps/toy-calibration.yaml --local -j 2
-	$(PY) -m m2po_megatron.cli report results/toy-calibration --calibration
+	$(PY) -m m2po_megatron.cli sweep recipes/sweeps/toy-calibration-low-lr.yaml --local -j 2  # the fallback axis
+	$(PY) -m m2po_megatron.cli report results/toy-calibration results/toy-calibration-low-lr --calibration \
+		--out results/calibration-report
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
