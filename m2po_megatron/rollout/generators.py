@@ -14,9 +14,9 @@ admission and batch selection on a simulated clock.
 from __future__ import annotations
 
 import queue
-import warnings
 import threading
 import time
+import warnings
 from typing import Callable, ContextManager, Optional, Protocol, runtime_checkable
 
 from m2po_megatron.data.prompts import PromptStream, Tokenize
