@@ -104,3 +104,16 @@ def test_unfinished_runs_and_missing_arms_leave_the_cell_undecided():
 def test_two_runs_of_one_arm_in_one_cell_are_refused():
     with pytest.raises(cal.CalibrationError, match="two runs of arm grpo-s0 in the cell lr=0.0001, batch=32"):
         cal.cells(matching_cell() + matching_cell()[:1])
+
+
+def test_no_match_before_and_after_the_fallback_axis_and_the_figure(tmp_path):
+    grid = matching_cell(lr=1e-4, masked=0.02) + matching_cell(lr=1e-4, prompts=64, masked=0.02)
+    assert "the pre-registered fallback axis comes next" in cal.markdown(cal.cells(grid))
+    fallback = [r for lr in cal.FALLBACK_LRS for p in (16, 64) for r in matching_cell(lr=lr, prompts=p, masked=0.002)]
+    cs = cal.cells(grid + fallback[:-5])  # one fallback cell still missing: not done
+    assert not cal.fallback_done(cs) and "fallback axis comes next" in cal.markdown(cs)
+    cs = cal.cells(grid + fallback)
+    assert cal.fallback_done(cs) and cal.choose(cs) is None
+    assert "the pre-registered fallback axis included" in cal.markdown(cs) and "stops here" in cal.markdown(cs)
+    cal.figure(cs, tmp_path / "calibration.png")
+    assert (tmp_path / "calibration.png").stat().st_size > 10_000

@@ -39,6 +39,9 @@ def run(args) -> int:
             paths["calibration"].write_text("# Drift calibration (docs/reproduce.md)\n\n" + cal.markdown(cells))
             paths["calibration_json"] = out / "calibration.json"
             paths["calibration_json"].write_text(json.dumps(cal.as_json(cells), indent=2) + "\n")
+            if not args.no_plots:
+                paths["calibration_png"] = out / "calibration.png"
+                cal.figure(cells, paths["calibration_png"])
     except ReportError as e:
         print(f"m2po report: {e}", file=sys.stderr)
         return 2

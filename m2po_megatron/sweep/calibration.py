@@ -19,6 +19,7 @@ MASK_MAX = 0.001  # 3. M2PO (remove)'s mean masked fraction
 NOTR_STEPS = (4, 8, 12, 16)  # 4. GRPO without trust region: these evaluations (updates 16-64) ...
 NOTR_TOLERANCE = 1.5  # ... at least its step-0 evaluation minus this many points
 HORIZON_QUANTUM, HORIZON_MIN = 25, 100  # H: c ln 10 rounded up to a multiple of 25 steps, at least 100
+FALLBACK_LRS = (2.5e-5, 1.25e-5)  # the axis written down with the protocol, run when no grid cell matches
 ARMS = ("grpo-s0", "grpo-stale", "grpo_notr-stale", "m2po-remove", "m2po-cap")
 
 
@@ -203,10 +204,62 @@ def markdown(cs: list[Cell]) -> str:
                      f"acc(t) = {a:.1f} - {b:.1f} exp(-t / {cc:.0f}), horizon {chosen.horizon} steps.")
     elif missing or any(c.matches is None for c in cs):
         lines.append("No cell chosen yet: the cells so far do not match, and the grid is not complete.")
+    elif fallback_done(cs):
+        lines.append("No cell matches the paper's drift, the pre-registered fallback axis included (lr 2.5e-5 and "
+                     "1.25e-5 at both mini-batch sizes): as the protocol fixed, the calibration stops here.")
     else:
         lines.append("No cell matches the paper's drift: the pre-registered fallback axis comes next "
                      "(lr 2.5e-5 and 1.25e-5 at both mini-batch sizes).")
     return "\n".join(lines) + "\n"
+
+
+def fallback_done(cs: list[Cell]) -> bool:
+    """Whether every fallback lr has a decided cell at every mini-batch size of the grid."""
+    batches = {c.batch for c in cs}
+    done = {(c.lr, c.batch) for c in cs if c.matches is not None}
+    return bool(batches) and all((lr, b) in done for lr in FALLBACK_LRS for b in batches)
+
+
+# the four criteria as plotted: (value key, title, accepted band (low, high), scale to percent or points)
+_PANELS = (("onpolicy_clip", "1. on-policy GRPO: tokens clipped (%)", (0.0, ONPOLICY_CLIP_MAX), 100),
+           ("stale_clip", "2. stale GRPO: tokens clipped (%)", STALE_CLIP, 100),
+           ("m2po_masked", "3. M2PO (remove): tokens masked (%)", (0.0, MASK_MAX), 100),
+           ("notr_drop", "4. GRPO without TR: lowest eval at steps 4-16 minus step 0 (points)",
+            (-NOTR_TOLERANCE, None), 1))
+
+
+def figure(cs: list[Cell], path) -> None:
+    """One panel per criterion: its value against the learning rate (log scale), a line per mini-batch size, the
+    pre-registered band shaded; a cell matches where all four of its points lie in their bands."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    for ax, (key, title, (lo, hi), scale) in zip(axes.flat, _PANELS):
+        for batch in sorted({c.batch for c in cs}):
+            pts = sorted((c.lr, c.values[key] * scale) for c in cs if c.batch == batch and c.values.get(key) is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"mini-batch {batch}")
+        ax.set_xscale("log")
+        lrs = sorted({c.lr for c in cs})
+        ax.set_xticks(lrs, [f"{lr:g}" for lr in lrs], fontsize=7)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_yscale("symlog", linthresh=0.1) if scale == 100 else None
+        top = ax.get_ylim()[1]
+        ax.axhspan(lo * scale, hi * scale if hi is not None else top, color="tab:green", alpha=0.15,
+                   label="accepted")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("learning rate")
+        ax.legend(fontsize=8)
+    matched = [f"lr {c.lr:g} x {c.batch}" for c in cs if c.matches]
+    fig.suptitle("Drift calibration: each criterion per cell (docs/reproduce.md); matching cells: "
+                 + (", ".join(matched) or "none"), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def as_json(cs: list[Cell]) -> list[dict]:
