@@ -1,29 +1,62 @@
-"""Cost models of the asynchronous pipeline's parts, in seconds, each with its source:
+"""Cost models of the asynchronous pipeline's parts, in seconds, each with its source.
+
+N is the parameter count (models.memory.param_count) and N_mm the parameters of matmuls: N less the input
+embedding when it is untied (a lookup, no FLOPs), N itself when tied (the output projection is a matmul on the
+shared table). Kaplan et al., "Scaling Laws for Neural Language Models" (2020), count C = 6 N FLOPs per token
+with N excluding embeddings; Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
+Using Megatron-LM" (2021), count the logit layer's FLOPs and not the lookup's: so does this.
 
 - **Trainer** (per step): `train_fixed_s + train_per_update_s x U + tokens x train_per_token_s`, plus
   `tokens x logprob_per_token_s` when the trainer recomputes log-probs (behav_logprob_source=trainer, a
-  three-policy correction, M2PO's global mask). From datasheets: per token 6 x N FLOPs for forward and
-  backward plus the attention's 12 x layers x hidden x context / 2 (causal), over the trainer's GPUs x peak x
-  MFU, times the pipeline bubble 1 + (PP - 1) / micro-batches (1F1B); a log-prob pass is a third of that.
-- **Rollout server** (per decode step of a continuous batch of B sequences holding K KV tokens):
-  `decode_fixed_s + B x decode_per_seq_s + K x decode_per_kv_s`. From datasheets: decode is memory-bound,
-  so the fixed part reads the weights (N x 2 bytes / TP) at HBM bandwidth x efficiency, each KV token reads
-  its 2 x layers x kv_heads x head_dim x 2 bytes / TP, and each sequence adds its 2 x N / TP FLOPs at peak x
-  efficiency (a sum, so a large batch turns compute-bound smoothly). Prefill is compute-bound:
-  `prompt tokens x prefill_per_token_s` (2 x N FLOPs per token). `max_running` sequences fit one server
-  (its KV budget: (memory x mem_fraction_static - weights) / KV bytes per token / mean context).
-- **Weight sync**: `sync_fixed_s + bytes x sync_per_byte_s`, bytes = N x 2 (bf16) over NVLink when the
-  servers share the trainer's node, else one InfiniBand NIC (the sender is trainer rank 0).
+  three-policy correction, M2PO's global mask). Per token 6 x N_mm FLOPs for forward and backward plus the
+  attention's 12 x layers x heads x head_dim x context / 2 (PaLM, Chowdhery et al. 2022, appendix B: 6 N +
+  12 L H Q T; the attention matmuls are heads x head_dim wide, which is not the hidden size on Qwen3-4B:
+  32 x 128 = 4096 against 2560; halved for the causal mask), over the trainer's GPUs x peak x MFU, times the
+  pipeline bubble 1 + (PP - 1) / micro-batches (1F1B); a log-prob pass is a third of that. With FP8
+  (model.fp8) the decoder layers' linear layers run at the FP8 peak: Transformer Engine's FP8 recipe casts the
+  GEMMs of its Linear modules and keeps attention (DotProductAttention) in BF16, and megatron-core's GPTModel
+  builds the output layer as tensor_parallel.ColumnParallelLinear, not a TE module, so it stays BF16 too.
+  Per optimizer update: the optimizer reads and writes fp32 master weights, m, v and grads (32 bytes per
+  parameter it owns: 1 / (TP x PP x DP) of them with the distributed optimizer, 1 / (TP x PP) without) at HBM
+  bandwidth, then the data-parallel collectives, which this project does not overlap with compute
+  (actor/optim.py: overlap_grad_reduce=False, overlap_param_gather=False): with megatron-core's distributed
+  optimizer a reduce-scatter of the gradients in fp32 (actor/optim.py sets grad_reduce_in_fp32=True) and an
+  all-gather of the updated bf16 parameters; without it an all-reduce of the gradients. A ring reduce-scatter
+  or all-gather sends (dp - 1) / dp of the buffer per rank, an all-reduce twice that (nccl-tests'
+  PERFORMANCE.md, bus bandwidth). The link is NVLink per direction when the trainer fits one node, else the
+  rank's own InfiniBand NIC; at dp 1 there is nothing to reduce.
+- **Rollout server** (per decode step of a continuous batch of B sequences holding K KV tokens), a roofline
+  (Williams, Waterman and Patterson, "Roofline: an insightful visual performance model for multicore
+  architectures", CACM 2009: a kernel takes the longer of its compute and its memory traffic, not their sum):
+  `decode_fixed_s + max(B x decode_per_seq_s, decode_weights_s + K x decode_per_kv_s)`. The memory side reads
+  the matmul weights once (2 N_mm bytes / TP; the input embedding only gathers B rows) and each KV token's
+  2 (K and V) x layers x kv_heads_per_gpu x head_dim x 2 bytes, at HBM bandwidth x efficiency; kv_heads_per_gpu
+  is kv_heads / TP, or 1 when TP > kv_heads (SGLang's QKVParallelLinear, as vLLM's, replicates the KV heads
+  then: num_kv_head_replicas). The compute side is 2 x N_mm / TP FLOPs per sequence at peak x efficiency.
+  `decode_fixed_s` is what overlaps neither: scheduling and sampling, and with TP > 1 two all-reduces per layer.
+  Prefill is compute-bound: `prompt tokens x prefill_per_token_s` (2 x N_mm FLOPs per token). `max_running`
+  sequences fit one server: per GPU, the KV pool is memory x mem_fraction_static - weights / TP (SGLang's
+  server arguments docs: mem_fraction_static is "the fraction of the memory used for static allocation (model
+  weights and KV cache memory pool)"), over the KV bytes per token per GPU and the mean context.
+- **Weight sync**: `sync_fixed_s + bytes x sync_per_byte_s`, bytes = 2 N (every weight, bf16) over NVLink per
+  direction when the servers share the trainer's node, else one InfiniBand NIC (the sender is trainer rank 0).
 
-A `Costs` is built from hardware figures (`from_hardware`) or fitted on a run's timeline (plan/calibrate.py)."""
+A `Costs` is built from hardware figures (`from_hardware`, the roofline) or fitted on a run's timeline
+(plan/calibrate.py: a least-squares fit of the sum form, `decode_roofline=False`, `decode_weights_s=0`)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
-from m2po_megatron.plan.hardware import GPUS, EFFICIENCY, Gpu
+from m2po_megatron.plan.hardware import EFFICIENCY, GPUS, Gpu
 
-__all__ = ["Costs", "Layout", "efficiency_of", "from_hardware"]
+__all__ = ["Costs", "GRAD_BYTES", "Layout", "attention_flops", "efficiency_of", "from_hardware", "kv_bytes_per_gpu",
+           "matmul_params"]
+
+GRAD_BYTES = 4  # actor/optim.py wraps megatron-core's DDP with grad_reduce_in_fp32=True: fp32 gradient buffers
+PARAM_BYTES = 2  # bf16 weights: what the servers hold, the sync sends and the distributed optimizer gathers
+_MANY = 1 << 40  # steps_within's answer when a decode step costs nothing (a fit without decode spans)
 
 
 @dataclass(frozen=True)
@@ -47,6 +80,10 @@ class Costs:
     # caches, memory bandwidth), and past the cores they time-share.
     shared_cores: int = 0
     contention: float = 0.0
+    # Decode: the time to read the weights once per step, and whether a step is the roofline
+    # fixed + max(compute, memory) (from_hardware) or the sum of its terms (a calibration's linear fit).
+    decode_weights_s: float = 0.0
+    decode_roofline: bool = False
 
     def speed(self, busy: int) -> float:
         """Speed of each busy thread, relative to running alone, when `busy` threads are busy."""
@@ -59,31 +96,84 @@ class Costs:
         per_token = self.train_per_token_s + (self.logprob_per_token_s if logprob_pass else 0.0)
         return self.train_fixed_s + updates * self.train_per_update_s + tokens * per_token
 
+    def decode_step_s(self, batch: float, kv: float) -> float:
+        """One decode step of `batch` sequences holding `kv` KV tokens."""
+        compute = batch * self.decode_per_seq_s
+        memory = self.decode_weights_s + kv * self.decode_per_kv_s
+        return self.decode_fixed_s + (max(compute, memory) if self.decode_roofline else compute + memory)
+
+    def _compute_steps(self, batch: int, kv0: float) -> float:
+        """Roofline: how many leading steps the compute side bounds (the memory side grows by batch KV tokens
+        a step and overtakes it); math.inf when it never does."""
+        c = batch * self.decode_per_seq_s
+        m0 = self.decode_weights_s + kv0 * self.decode_per_kv_s
+        if c < m0:
+            return 0
+        g = batch * self.decode_per_kv_s
+        q = (c - m0) / g if g > 0 else math.inf
+        return math.floor(q) + 1 if q < 2.0 ** 62 else math.inf
+
     def decode_s(self, steps: float, batch: int, kv0: float) -> float:
         """Time of `steps` decode steps of `batch` sequences starting at `kv0` KV tokens (each step adds
-        `batch`): the arithmetic series of the per-step cost."""
-        per_step = self.decode_fixed_s + batch * self.decode_per_seq_s
-        kv_sum = steps * kv0 + batch * steps * (steps - 1) / 2
-        return steps * per_step + kv_sum * self.decode_per_kv_s
+        `batch`): the sum of decode_step_s over the steps, in closed form. Roofline: compute-bound steps first
+        (a constant cost), then memory-bound ones (an arithmetic series); a fractional `steps` interpolates."""
+        f, g = self.decode_fixed_s, batch * self.decode_per_kv_s
+        if not self.decode_roofline:
+            per_step = f + self.decode_weights_s + batch * self.decode_per_seq_s
+            kv_sum = steps * kv0 + batch * steps * (steps - 1) / 2
+            return steps * per_step + kv_sum * self.decode_per_kv_s
+        j = min(steps, self._compute_steps(batch, kv0))
+        m0 = self.decode_weights_s + kv0 * self.decode_per_kv_s
+        memory = (steps - j) * m0 + g * (steps * (steps - 1) - j * (j - 1)) / 2 if steps > j else 0.0
+        return steps * f + j * batch * self.decode_per_seq_s + memory
 
     def steps_within(self, dt: float, batch: int, kv0: float) -> int:
-        """How many whole decode steps fit in `dt` seconds (the inverse of decode_s)."""
-        a = self.decode_fixed_s + batch * self.decode_per_seq_s + self.decode_per_kv_s * (kv0 - batch / 2)
-        c = self.decode_per_kv_s * batch / 2
+        """How many whole decode steps fit in `dt` seconds (the inverse of decode_s): a closed-form guess,
+        then corrected against decode_s itself so that an event scheduled at decode_s(k) finds its k steps
+        done despite round-off."""
         if dt <= 0:
             return 0
-        if c <= 0:
-            return int(dt * (1 + 1e-9) / a) if a > 0 else 1 << 40
-        k = int(2 * dt / (a + (a * a + 4 * c * dt) ** 0.5))  # the root of c k^2 + a k = dt, without cancellation
-        tol = dt * (1 + 1e-9)  # an event scheduled at decode_s(k) must find its k steps done
+        k = self._steps_guess(dt, batch, kv0)
+        if k >= _MANY:
+            return _MANY
+        tol = dt * (1 + 1e-9)
         while k > 0 and self.decode_s(k, batch, kv0) > tol:
             k -= 1
         while self.decode_s(k + 1, batch, kv0) <= tol:
             k += 1
         return k
 
+    def _steps_guess(self, dt: float, batch: int, kv0: float) -> int:
+        f, v = self.decode_fixed_s, self.decode_per_kv_s
+        if not self.decode_roofline:
+            a = f + self.decode_weights_s + batch * self.decode_per_seq_s + v * (kv0 - batch / 2)
+            return _series_steps(dt, a, v * batch / 2)
+        j, a1 = self._compute_steps(batch, kv0), f + batch * self.decode_per_seq_s
+        if j > 0 and (j == math.inf or dt < j * a1):
+            return int(dt / a1) if a1 > 0 else _MANY
+        kv1 = kv0 + j * batch  # the memory-bound steps: the sum form's series from here, without compute
+        a = f + self.decode_weights_s + v * (kv1 - batch / 2)
+        return j + _series_steps(dt - j * a1, a, v * batch / 2)
+
+    def decode_lb(self, tokens: float, kv_sum: float, steps: float) -> float:
+        """A lower bound on the decode time of any schedule on one server that generates `tokens` tokens in
+        at least `steps` decode steps, `kv_sum` being the sum over its steps of the KV tokens held. Sum form:
+        exactly the sum of its steps' costs. Roofline: a sum of maxima is at least the maximum of the sums."""
+        f, w = self.decode_fixed_s, self.decode_weights_s
+        compute, memory = tokens * self.decode_per_seq_s, steps * w + kv_sum * self.decode_per_kv_s
+        return steps * f + (max(compute, memory) if self.decode_roofline else compute + memory)
+
     def sync_s(self) -> float:
         return self.sync_fixed_s + self.weight_bytes * self.sync_per_byte_s
+
+
+def _series_steps(dt: float, a: float, c: float) -> int:
+    """About the largest k with a k + c k^2 <= dt (the caller corrects it by one or two)."""
+    if dt <= 0:
+        return 0
+    if c <= 0:
+        return int(dt / a) if a > 0 else _MANY
+    return int(2 * dt / (a + (a * a + 4 * c * dt) ** 0.5))  # the positive root, without cancellation
 
 
 @dataclass(frozen=True)
@@ -105,64 +195,144 @@ class Layout:
         return self.rollout_tp * self.num_servers
 
 
+def matmul_params(shape, params: int) -> int:
+    """N_mm: the parameters FLOPs count. The input embedding is a lookup; the output projection is a matmul,
+    also when it shares the embedding's table (tied: `params` counts that table once, as the projection)."""
+    return params if shape.tied else params - shape.vocab * shape.hidden
+
+
+def attention_flops(shape, context: float) -> float:
+    """Attention's score and context matmuls per token, forward and backward, causal: 12 x layers x heads x
+    head_dim x context / 2."""
+    return 12 * shape.layers * shape.heads * shape.head_dim * context / 2
+
+
+def kv_bytes_per_gpu(shape, tp: int) -> float:
+    """K and V of one token in bf16 on one GPU of a server of TP `tp` (KV heads replicated past kv_heads)."""
+    return 2 * shape.layers * math.ceil(shape.kv_heads / tp) * shape.head_dim * 2
+
+
+@dataclass(frozen=True)
+class _Work:
+    """What the hardware does, before any efficiency: seconds at peak, bytes, links."""
+
+    peak: float  # BF16 FLOP/s
+    hbm: float  # B/s
+    train_tok_at_peak_s: float  # per token, on the trainer's GPUs together, bubble included, MFU 1
+    opt_bytes: float  # the optimizer's HBM traffic per GPU per update
+    dp_bytes: float  # data-parallel collectives per rank per update
+    dp_link: float  # B/s per direction
+    read_bytes: float  # weights read per GPU per decode step
+    kv_bytes: float  # per KV token per GPU
+    flops_seq: float  # per GPU per decode step per sequence (and per prompt token in prefill)
+    kv_pool: float  # bytes per GPU for the KV cache
+    weight_bytes: float  # what a weight sync sends
+    sync_link: float  # B/s per direction
+
+
+def _work(shape, params: int, layout: Layout, g: Gpu, *, micro_batches: int, mean_context: float,
+          mem_fraction_static: float, same_node_sync: bool, fp8: bool, gpus_per_node: int,
+          use_distributed_optimizer: bool, grad_bytes: int) -> _Work:
+    peak, hbm = g.bf16_tflops * 1e12, g.hbm_tb_s * 1e12
+    n_mm = matmul_params(shape, params)
+    bf16_flops = 6 * n_mm + attention_flops(shape, mean_context)
+    fp8_s = 0.0
+    if fp8:
+        if g.fp8_tflops is None:
+            raise ValueError(f"model.fp8 is set, but the {g.name} has no FP8 Tensor Cores: unset model.fp8 "
+                             "(train in BF16) or plan for a GPU with FP8 (h100, h200)")
+        layers_mm = n_mm - shape.vocab * shape.hidden  # the output layer stays BF16 (megatron-core's own linear)
+        fp8_s = 6 * layers_mm / (g.fp8_tflops * 1e12)
+        bf16_flops -= 6 * layers_mm
+    bubble = 1 + (layout.pp - 1) / max(micro_batches, 1)
+    train_tok = (bf16_flops / peak + fp8_s) * bubble / layout.trainer_gpus
+    model_parallel = layout.tp * layout.pp
+    dp = layout.dp
+    owned = params / (layout.trainer_gpus if use_distributed_optimizer else model_parallel)
+    shard = params / model_parallel  # one rank's parameters, the size of its gradient buffer
+    if dp <= 1:
+        dp_bytes = 0.0
+    elif use_distributed_optimizer:  # reduce-scatter the gradients, all-gather the updated parameters
+        dp_bytes = (dp - 1) / dp * shard * (grad_bytes + PARAM_BYTES)
+    else:  # all-reduce the gradients
+        dp_bytes = 2 * (dp - 1) / dp * shard * grad_bytes
+    one_node = layout.trainer_gpus <= gpus_per_node
+    rtp = layout.rollout_tp
+    weights = params * PARAM_BYTES
+    kv = kv_bytes_per_gpu(shape, rtp)
+    return _Work(
+        peak=peak, hbm=hbm, train_tok_at_peak_s=train_tok, opt_bytes=32 * owned, dp_bytes=dp_bytes,
+        dp_link=(g.nvlink_gb_s if one_node else g.ib_gb_s_per_gpu) * 1e9,
+        read_bytes=n_mm * PARAM_BYTES / rtp, kv_bytes=kv, flops_seq=2 * n_mm / rtp,
+        kv_pool=max(g.memory_gb * 1e9 * mem_fraction_static - weights / rtp, 0.0), weight_bytes=weights,
+        sync_link=(g.nvlink_gb_s if same_node_sync else g.ib_gb_s_per_gpu) * 1e9)
+
+
+def _tp_comm(shape, rtp: int, allreduce_s: float) -> float:
+    # tensor parallelism adds two all-reduces per layer to every decode step (attention and MLP outputs)
+    return 2 * shape.layers * allreduce_s if rtp > 1 else 0.0
+
+
 def from_hardware(shape, params: int, layout: Layout, gpu: Gpu | str, *, micro_batches: int,
                   mean_context: float, mem_fraction_static: float = 0.85, efficiency: Optional[dict] = None,
-                  same_node_sync: bool = False) -> Costs:
+                  same_node_sync: bool = False, fp8: bool = False, gpus_per_node: int = 8,
+                  use_distributed_optimizer: bool = True, grad_bytes: int = GRAD_BYTES) -> Costs:
     """Costs from the model's shape (models.memory.ModelShape), its parameter count and the GPU's datasheet
-    figures, with the efficiencies of plan.hardware.EFFICIENCY (or `efficiency`'s overrides)."""
+    figures, with the efficiencies of plan.hardware.EFFICIENCY (or `efficiency`'s overrides); decode is the
+    roofline. same_node_sync: the servers share the trainer's node (the sync runs over NVLink). fp8: the
+    recipe trains in FP8 (model.fp8). gpus_per_node: the trainer's gradient reduce stays on NVLink when all its
+    GPUs fit one node. grad_bytes: the dtype the gradients are reduced in (fp32 here, GRAD_BYTES)."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
     eff = {**EFFICIENCY, **(efficiency or {})}
-    peak, bw = g.bf16_tflops * 1e12, g.hbm_tb_s * 1e12
-    attn = 12 * shape.layers * shape.hidden * mean_context / 2  # causal attention FLOPs per token, fwd+bwd
-    flops_tok = 6 * params + attn
-    bubble = 1 + (layout.pp - 1) / max(micro_batches, 1)
-    train_tok = flops_tok / (layout.trainer_gpus * peak * eff["mfu"]) * bubble
-    kv_bytes = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2  # K and V, bf16, per token
+    w = _work(shape, params, layout, g, micro_batches=micro_batches, mean_context=mean_context,
+              mem_fraction_static=mem_fraction_static, same_node_sync=same_node_sync, fp8=fp8,
+              gpus_per_node=gpus_per_node, use_distributed_optimizer=use_distributed_optimizer,
+              grad_bytes=grad_bytes)
+    train_tok = w.train_tok_at_peak_s / eff["mfu"]
+    hbm = w.hbm * eff["hbm"]
     rtp = layout.rollout_tp
-    weights = params * 2
-    kv_budget = max(g.memory_gb * 1e9 * rtp * mem_fraction_static - weights, 0.0) / kv_bytes
-    link = g.nvlink_gb_s if same_node_sync else g.ib_gb_s_per_node
     return Costs(
         train_fixed_s=eff["train_fixed_s"],
-        # optimizer: read and write fp32 master weights, m, v and grads (16 bytes x 2 per param) per update
-        train_per_update_s=32 * params / layout.trainer_gpus / (bw * eff["hbm"]),
+        train_per_update_s=w.opt_bytes / hbm + w.dp_bytes / (w.dp_link * eff["link"]),
         train_per_token_s=train_tok,
         logprob_per_token_s=train_tok / 3,
-        # tensor parallelism adds two all-reduces per layer to every decode step (attention and MLP outputs)
-        decode_fixed_s=eff["decode_fixed_s"] + weights / rtp / (bw * eff["hbm"])
-        + (2 * shape.layers * eff["tp_allreduce_s"] if rtp > 1 else 0.0),
-        decode_per_seq_s=2 * params / rtp / (peak * eff["decode_compute"]),
-        decode_per_kv_s=kv_bytes / rtp / (bw * eff["hbm"]),
-        prefill_per_token_s=2 * params / rtp / (peak * eff["prefill"]),
-        max_running=int(max(1, min(eff["max_running_cap"], kv_budget / max(mean_context, 1.0)))),
+        decode_fixed_s=eff["decode_fixed_s"] + _tp_comm(shape, rtp, eff["tp_allreduce_s"]),
+        decode_per_seq_s=w.flops_seq / (w.peak * eff["decode_compute"]),
+        decode_per_kv_s=w.kv_bytes / hbm,
+        prefill_per_token_s=w.flops_seq / (w.peak * eff["prefill"]),
+        max_running=int(max(1, min(eff["max_running_cap"], w.kv_pool / w.kv_bytes / max(mean_context, 1.0)))),
         sync_fixed_s=eff["sync_fixed_s"],
-        sync_per_byte_s=1 / (link * 1e9 * eff["link"]),
-        weight_bytes=weights,
-        source=f"{g.name} datasheet, efficiencies {eff}",
+        sync_per_byte_s=1 / (w.sync_link * eff["link"]),
+        weight_bytes=w.weight_bytes,
+        decode_weights_s=w.read_bytes / hbm,
+        decode_roofline=True,
+        source=f"{g.name} datasheet{', FP8' if fp8 else ''}, efficiencies {eff}",
     )
 
 
 def efficiency_of(costs: Costs, shape, params: int, layout: Layout, gpu: Gpu | str, *, micro_batches: int,
-                  mean_context: float, same_node_sync: bool = False, has_engine: bool = True) -> dict:
+                  mean_context: float, same_node_sync: bool = False, has_engine: bool = True, fp8: bool = False,
+                  gpus_per_node: int = 8, use_distributed_optimizer: bool = True,
+                  grad_bytes: int = GRAD_BYTES) -> dict:
     """The efficiencies under which `from_hardware` gives `costs` (fitted on a run of this layout and GPU):
-    from_hardware inverted, term by term. The decode terms only when the run traced its engine's steps."""
+    from_hardware inverted, term by term. The decode terms only when the run traced its engine's steps; a
+    calibration's sum form holds the weight read in decode_fixed_s, a roofline in decode_weights_s."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
-    peak, bw = g.bf16_tflops * 1e12, g.hbm_tb_s * 1e12
-    flops_tok = 6 * params + 12 * shape.layers * shape.hidden * mean_context / 2
-    bubble = 1 + (layout.pp - 1) / max(micro_batches, 1)
-    rtp, weights = layout.rollout_tp, params * 2
-    link = g.nvlink_gb_s if same_node_sync else g.ib_gb_s_per_node
-    out = {"mfu": flops_tok * bubble / (layout.trainer_gpus * peak * costs.train_per_token_s),
-           "train_fixed_s": costs.train_fixed_s}
+    w = _work(shape, params, layout, g, micro_batches=micro_batches, mean_context=mean_context,
+              mem_fraction_static=0.0, same_node_sync=same_node_sync, fp8=fp8, gpus_per_node=gpus_per_node,
+              use_distributed_optimizer=use_distributed_optimizer, grad_bytes=grad_bytes)
+    out = {"train_fixed_s": costs.train_fixed_s}
+    if costs.train_per_token_s > 0:
+        out["mfu"] = w.train_tok_at_peak_s / costs.train_per_token_s
     if costs.sync_s() > EFFICIENCY["sync_fixed_s"]:
-        out["link"] = weights / (link * 1e9 * (costs.sync_s() - EFFICIENCY["sync_fixed_s"]))
+        out["link"] = w.weight_bytes / (w.sync_link * (costs.sync_s() - EFFICIENCY["sync_fixed_s"]))
     if has_engine and costs.decode_per_kv_s > 0:
-        kv_bytes = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2
-        hbm = kv_bytes / rtp / (bw * costs.decode_per_kv_s)
-        tp_comm = 2 * shape.layers * EFFICIENCY["tp_allreduce_s"] if rtp > 1 else 0.0
-        out.update(hbm=hbm, decode_fixed_s=max(costs.decode_fixed_s - weights / rtp / (bw * hbm) - tp_comm, 0.0))
+        hbm = w.kv_bytes / (w.hbm * costs.decode_per_kv_s)
+        in_fixed = 0.0 if costs.decode_roofline or costs.decode_weights_s > 0 else w.read_bytes / (w.hbm * hbm)
+        tp_comm = _tp_comm(shape, layout.rollout_tp, EFFICIENCY["tp_allreduce_s"])
+        out.update(hbm=hbm, decode_fixed_s=max(costs.decode_fixed_s - in_fixed - tp_comm, 0.0))
         if costs.decode_per_seq_s > 0:
-            out["decode_compute"] = 2 * params / rtp / (peak * costs.decode_per_seq_s)
+            out["decode_compute"] = w.flops_seq / (w.peak * costs.decode_per_seq_s)
         if costs.prefill_per_token_s > 0:
-            out["prefill"] = 2 * params / rtp / (peak * costs.prefill_per_token_s)
+            out["prefill"] = w.flops_seq / (w.peak * costs.prefill_per_token_s)
     return out

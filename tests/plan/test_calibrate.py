@@ -160,3 +160,45 @@ def test_plan_command_input_errors_exit_2(tmp_path):
         {"ph": "X", "pid": 1, "tid": "engine", "cat": "engine", "name": "decode", "ts": 1, "dur": 2}]}))
     p = m2po("--calibrate", str(run))
     assert p.returncode == 2 and "lack what a run writes" in p.stderr and "Traceback" not in p.stderr
+
+
+CFG = "m2po_megatron/assets/configs/Qwen__Qwen3-8B-Base/config.json"
+
+
+@pytest.mark.parametrize("layout,kw", [
+    ((2, 1, 1, 1, 8), {}),  # dp 1, a TP 1 server
+    ((2, 2, 4, 4, 2), {"fp8": True}),  # FP8, dp 4 over NVLink, a TP 4 server (its all-reduces)
+    ((1, 1, 16, 8, 1), {"same_node_sync": True, "use_distributed_optimizer": False}),  # dp 16 over InfiniBand
+])
+def test_efficiency_of_inverts_from_hardware(layout, kw):
+    """efficiency_of(from_hardware(eff)) == eff term by term, for from_hardware's roofline and for the sum form
+    a calibration fits (the weight read inside decode_fixed_s)."""
+    import dataclasses
+
+    from m2po_megatron.models.memory import model_shape, param_count
+    from m2po_megatron.plan.costs import Layout, efficiency_of, from_hardware
+
+    shape, n, lay = model_shape(CFG), param_count(CFG), Layout(*layout)
+    eff = {"mfu": 0.41, "hbm": 0.63, "decode_compute": 0.44, "prefill": 0.57, "link": 0.31, "decode_fixed_s": 0.003,
+           "train_fixed_s": 0.8}
+    args = dict(micro_batches=3, mean_context=1800.0, **kw)
+    c = from_hardware(shape, n, lay, "h100", efficiency=eff, **args)
+    got = efficiency_of(c, shape, n, lay, "h100", **args)
+    assert got == pytest.approx(eff, rel=1e-9)
+    again = from_hardware(shape, n, lay, "h100", efficiency=got, **args)
+    for f in dataclasses.fields(c):
+        a, b = getattr(c, f.name), getattr(again, f.name)
+        assert (a == pytest.approx(b, rel=1e-9)) if isinstance(a, float) else (f.name == "source" or a == b), f.name
+    fitted = dataclasses.replace(c, decode_fixed_s=c.decode_fixed_s + c.decode_weights_s, decode_weights_s=0.0,
+                                 decode_roofline=False)
+    assert efficiency_of(fitted, shape, n, lay, "h100", **args) == pytest.approx(eff, rel=1e-9)
+
+
+def test_a_calibration_is_the_sum_form_and_old_files_still_load(tmp_path):
+    cal = calibrate(build_run(tmp_path), skip=2, cores=2)
+    assert not cal.costs.decode_roofline and cal.costs.decode_weights_s == 0.0
+    doc = json.loads(json.dumps(cal.to_dict()))
+    assert Calibration.from_dict(doc).costs == cal.costs
+    for k in ("decode_weights_s", "decode_roofline"):  # written before these fields existed
+        del doc["costs"][k]
+    assert Calibration.from_dict(doc).costs == cal.costs

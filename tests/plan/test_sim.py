@@ -1,4 +1,6 @@
 """plan/sim.py: the simulated servers against closed forms, and the project's own controller driving it."""
+import dataclasses
+
 import pytest
 
 from m2po_megatron.plan.costs import Costs
@@ -8,6 +10,9 @@ from m2po_megatron.staleness import StalenessController
 COSTS = Costs(train_fixed_s=0.2, train_per_update_s=0.05, train_per_token_s=2e-5, logprob_per_token_s=7e-6,
               decode_fixed_s=0.01, decode_per_seq_s=1e-4, decode_per_kv_s=1e-7, prefill_per_token_s=1e-5,
               max_running=256, sync_fixed_s=0.1, sync_per_byte_s=1e-9, weight_bytes=1e6)
+# from_hardware's form: a decode step is fixed + max(compute, weights + KV); 128 sequences of 40 prompt tokens
+# start compute-bound (12.8 ms against 12.7) and turn memory-bound 7 steps in, as their KV grows
+ROOF = dataclasses.replace(COSTS, decode_fixed_s=0.002, decode_weights_s=0.0122, decode_roofline=True)
 
 
 def spec(**kw):
@@ -16,26 +21,28 @@ def spec(**kw):
     return SimSpec(**{**base, **kw})
 
 
-def test_decode_steps_invert_the_series():
-    for b, kv in ((1, 0), (3, 24), (128, 5000)):
+@pytest.mark.parametrize("costs", [COSTS, ROOF], ids=["sum", "roofline"])
+def test_decode_steps_invert_the_series(costs):
+    for b, kv in ((1, 0), (3, 24), (128, 5000), (128, 0), (1000, 0)):
         for k in (0, 1, 7, 500):
-            t = COSTS.decode_s(k, b, kv)
-            assert COSTS.steps_within(t, b, kv) == k  # exactly at the boundary, despite round-off
+            t = costs.decode_s(k, b, kv)
+            assert costs.steps_within(t, b, kv) == k  # exactly at the boundary, despite round-off
             if k:
-                assert COSTS.steps_within(t * (1 - 1e-6), b, kv) == k - 1
+                assert costs.steps_within(t * (1 - 1e-6), b, kv) == k - 1
 
 
-def test_on_policy_step_is_generation_plus_training_plus_sync_in_closed_form():
+@pytest.mark.parametrize("costs", [COSTS, ROOF], ids=["sum", "roofline"])
+def test_on_policy_step_is_generation_plus_training_plus_sync_in_closed_form(costs):
     # every sample the same length, one server holding all of them: one prefill, then L decode steps of B
     L, P, G, n, U = 20, 40, 16, 8, 2
-    r = simulate(spec(response=LengthDist(L, 0.0, 24), prompt_len=P, groups_per_step=G, n=n), COSTS, steps=3)
+    r = simulate(spec(response=LengthDist(L, 0.0, 24), prompt_len=P, groups_per_step=G, n=n), costs, steps=3)
     B = G * n
-    gen = B * P * COSTS.prefill_per_token_s + COSTS.decode_s(L, B, B * P)
-    train = COSTS.train_s(B * (P + L), U, False)
+    gen = B * P * costs.prefill_per_token_s + sum(costs.decode_step_s(B, B * (P + i)) for i in range(L))
+    train = costs.train_s(B * (P + L), U, False)
     for row in r.steps:
         assert row["wait_s"] == pytest.approx(gen, rel=1e-9)
         assert row["train_s"] == pytest.approx(train, rel=1e-9)
-        assert row["sync_s"] == pytest.approx(COSTS.sync_s(), rel=1e-9)
+        assert row["sync_s"] == pytest.approx(costs.sync_s(), rel=1e-9)
         assert row["staleness_max"] == 0 and row["tokens"] == B * (P + L)
 
 
