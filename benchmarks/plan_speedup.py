@@ -13,7 +13,8 @@ import argparse
 from m2po_megatron.config import load_config, model_hf_config
 from m2po_megatron.models.memory import model_shape, param_count
 from m2po_megatron.plan.costs import Layout, from_hardware
-from m2po_megatron.plan.search import _simulate, plan, spec_from_config
+from m2po_megatron.plan.search import plan, spec_from_config
+from m2po_megatron.plan.sim import simulate
 
 ASYNC = ["staleness.lag_steps=0", "staleness.behav_logprob_source=engine"]
 
@@ -29,8 +30,10 @@ def colocated(recipe: str, gpus: int, gpu: str) -> tuple[float, int]:
                      dp=gpus // cfg.parallel.tensor_model_parallel_size, rollout_tp=rtp, num_servers=gpus // rtp)
         sp = spec_from_config(cfg, num_servers=lay.num_servers)
         c = from_hardware(shape, n, lay, gpu, micro_batches=4, mean_context=sp.prompt_len + sp.response.mean,
-                          same_node_sync=True)
-        best = max(best, (_simulate(sp, c, None, 0)["tokens_per_s"], rtp))
+                          mem_fraction_static=cfg.rollout.mem_fraction_static, same_node_sync=True,
+                          fp8=bool(cfg.model.fp8), use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+        # on_policy: the first step fills nothing, so it is left out; eight in the steady state
+        best = max(best, (simulate(sp, c, steps=9, seed=0, skip=1).summary()["tokens_per_s"], rtp))
     return best
 
 

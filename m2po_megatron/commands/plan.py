@@ -5,9 +5,10 @@
     m2po plan RUN_DIR [--calibration calibration.json]
 
 The first enumerates the trainer/rollout splits and layouts that pass the config's validation and fit the memory
-estimate, simulates the best of them (plan/sim.py drives the project's own generators and staleness
-controller on a simulated clock) and prints them ranked by predicted trained tokens per second; --out writes
-the best as dotted overrides. The second fits the cost model on a finished run's timeline and metrics
+estimate, simulates them over several seeds (plan/sim.py drives the project's own generators and staleness
+controller on a simulated clock), pruning only those whose upper bound is below the shown ones (plan/bound.py),
+and prints them ranked by predicted trained tokens per second, mean and spread; --out writes the best as
+dotted overrides. The second fits the cost model on a finished run's timeline and metrics
 (plan/calibrate.py); with --gpu the fit is also expressed as efficiencies of that GPU, which the first form
 takes with --calibration. The third puts what the simulation predicts for a finished run next to what the
 run measured (calibrated on the run itself unless --calibration names another)."""
@@ -33,7 +34,11 @@ def register(sub) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu", default=None, choices=("h100", "h200", "a100"),
                    help="the GPU (default h100 for a plan; for --calibrate: the GPU the run used, if any)")
-    p.add_argument("--top", type=int, default=8, help="layouts to simulate and show (default 8)")
+    p.add_argument("--top", type=int, default=8, help="distinct layouts to show (default 8)")
+    p.add_argument("--seeds", type=int, default=3, help="simulations per layout, each with its own lengths "
+                                                        "(default 3)")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="simulate every layout, pruning none (the brute force the search is tested against)")
     p.add_argument("--format", default="table", choices=("table", "json"))
     p.add_argument("--out", default=None,
                    help="a plan: write the best layout as recipe overrides (YAML); --calibrate: the fit (JSON)")
@@ -44,7 +49,9 @@ def register(sub) -> None:
                         "parameters / peak FLOPs; benchmarks/gpu_check.py prints tokens/s) or the default 0.35 "
                         "(or the calibration's)")
     p.add_argument("--skip", type=int, default=3, help="a run's first steps left out (start-up; default 3)")
-    p.add_argument("--steps", type=int, default=None, help="steps to simulate (default: enough to fill the window)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="a plan: steps measured per simulation after the warm-up (default 8); a run's prediction: "
+                        "steps to simulate (default: enough to fill the window)")
     p.set_defaults(func=run)
 
 
@@ -135,7 +142,9 @@ def _efficiency(cal, gpu: str) -> dict:
     tokens_update = cfg.train.prompts_per_step * r.n_samples_per_prompt * ctx / cfg.train.updates_per_step
     mbs = max(1, round(tokens_update / lay.dp / cfg.train.micro_batch_tokens))
     return efficiency_of(cal.costs, model_shape(hf), param_count(hf), lay, gpu, micro_batches=mbs,
-                         mean_context=ctx, has_engine=cal.fit.get("decode_spans", 0) > 0)
+                         mean_context=ctx, has_engine=cal.fit.get("decode_spans", 0) > 0, fp8=bool(cfg.model.fp8),
+                         gpus_per_node=cfg.cluster.gpus_per_node,
+                         use_distributed_optimizer=p.use_distributed_optimizer)
 
 
 def summary_error(key: str, predicted: float, measured: float, step_s: float) -> Optional[float]:
@@ -194,7 +203,10 @@ def _plan(args) -> int:
             return _fail(f"--mfu {args.mfu}: give a fraction in (0, 1], e.g. 0.35")
         efficiency = {**(efficiency or {}), "mfu": args.mfu}
     gpu = args.gpu or "h100"
-    res = plan(cfg, args.gpus, args.gpus_per_node, gpu, steps=args.steps, top=args.top, efficiency=efficiency)
+    if args.top < 1:
+        return _fail(f"--top {args.top}: give at least 1")
+    res = plan(cfg, args.gpus, args.gpus_per_node, gpu, steps=args.steps, seeds=args.seeds, top=args.top,
+               efficiency=efficiency, exhaustive=args.exhaustive)
     ranked = res["ranked"]
     if not ranked:
         return _fail(f"no layout of {args.gpus} x {gpu} fits this recipe ({res['layouts']} tried, "
@@ -203,10 +215,12 @@ def _plan(args) -> int:
     if args.out:
         _write_overrides(args.out, ranked[0], args.target, list(args.overrides), args.gpus, gpu)
     if args.format == "json":
-        print(json.dumps({"recipe": args.target, "gpus": args.gpus, "gpu": gpu, "layouts": res["layouts"],
-                          "over_memory": res["over_memory"], "skipped": res["skipped"],
+        print(json.dumps({"recipe": args.target, "gpus": args.gpus, "gpu": gpu,
+                          **{k: res[k] for k in ("layouts", "over_memory", "skipped", "classes", "simulated",
+                                                 "pruned")},
                           "ranked": [{"layout": vars(c.layout), "overrides": c.overrides,
-                                      "memory_gb": c.memory_gb, "predicted": c.predicted} for c in ranked]},
+                                      "memory_gb": c.memory_gb, "predicted": c.predicted,
+                                      "equivalent": [vars(e.layout) for e in c.equivalent]} for c in ranked]},
                          indent=2))
         return 0
     print(format_plan(res, args.target, args.gpus, gpu))
@@ -217,22 +231,39 @@ def _plan(args) -> int:
 
 def format_plan(res: dict, recipe: str, gpus: int, gpu: str) -> str:
     head = (f"{recipe} on {gpus} x {gpu}: {res['layouts']} layouts, {res['over_memory']} over memory, "
-            f"{sum(res['skipped'].values())} refused by validation; best {len(res['ranked'])} simulated")
-    cols = ("rank", "train GPUs", "TPxPPxDP", "rollout", "sync int", "tokens/s", "mem GiB/GPU", "steps/h",
+            f"{sum(res['skipped'].values())} refused by validation; {res['classes']} distinct predictions, "
+            f"{res['simulated']} simulated, {res['pruned']} pruned by their upper bound")
+    cols = ("rank", "train GPUs", "TPxPPxDP", "rollout", "sync int", "tokens/s (sd)", "mem GiB/GPU", "steps/h",
             "idle T/R %", "stale mean/max", "sync s")
     lines = [head, " | ".join(cols), " | ".join("-" * len(c) for c in cols)]
     for i, c in enumerate(res["ranked"], 1):
         lay, p = c.layout, c.predicted
+        same = f" (+{len(c.equivalent)})" if c.equivalent else ""
         lines.append(" | ".join([
-            str(i), str(lay.trainer_gpus), f"{lay.tp}x{lay.pp}x{lay.dp}", f"{lay.num_servers} x TP{lay.rollout_tp}",
-            str(c.overrides.get("staleness.sync_interval", "-")), f"{p['tokens_per_s']:.0f}", f"{c.memory_gb:.1f}",
+            f"{i}{'~' if p.get('tied_with_best') else ''}", str(lay.trainer_gpus),
+            f"{lay.tp}x{lay.pp}x{lay.dp}{same}", f"{lay.num_servers} x TP{lay.rollout_tp}",
+            str(c.overrides.get("staleness.sync_interval", "-")),
+            f"{p['tokens_per_s']:.0f} ({p['tokens_per_s_sd']:.0f})", f"{c.memory_gb:.1f}",
             f"{p['steps_per_hour']:.1f}", f"{100 * p['trainer_idle_frac']:.0f}/{100 * p['rollout_idle_frac']:.0f}",
             f"{p['staleness_mean']:.1f}/{p['staleness_max']}", f"{p['sync_s']:.1f}"]))
-    lines.append("mem GiB/GPU: the trainer's memory estimate per GPU (models/memory.py); idle T/R %: the share of "
-                 "the simulated wall time, after the warm-up steps, that the trainer (T) is not training and "
-                 "a rollout server (R, the mean over servers) has no request in flight")
-    for reason, n in res["skipped"].items():
-        lines.append(f"refused by validation ({n} layouts): {reason}")
+    ties = [i for i, c in enumerate(res["ranked"], 1) if c.predicted.get("tied_with_best")]
+    if ties:
+        lines.append(f"~ ranks {', '.join(map(str, ties))} are not separable from the best: ranked by memory, least "
+                     "first")
+    for i, c in enumerate(res["ranked"], 1):
+        if c.equivalent:
+            lines.append(f"rank {i} (+{len(c.equivalent)}): the same within the model's resolution with trainer "
+                         + ", ".join(f"{e.layout.tp}x{e.layout.pp}x{e.layout.dp} ({e.memory_gb:.1f} GiB)"
+                                     for e in c.equivalent))
+    n = len(res["ranked"][0].predicted["tokens_per_s_seeds"]) if res["ranked"] else 0
+    lines.append(f"tokens/s: the mean over {n} simulations with their own response lengths, (sd) their standard "
+                 "deviation; two layouts are not separable when their throughputs differ by less than 1 % or "
+                 "than two standard errors of their seed-by-seed difference; mem GiB/GPU: "
+                 "the trainer's memory estimate per GPU (models/memory.py); idle T/R %: the share of the "
+                 "simulated wall time, after the warm-up steps, that the trainer (T) is not training and a "
+                 "rollout server (R, the mean over servers) has no request in flight")
+    for reason, k in res["skipped"].items():
+        lines.append(f"refused by validation ({k} layouts): {reason}")
     return "\n".join(lines)
 
 

@@ -30,7 +30,8 @@ class Candidate:
     memory_gb: float
     costs: Optional[Costs] = None
     spec: Optional[SimSpec] = None
-    predicted: dict = field(default_factory=dict)  # SimResult.summary()
+    predicted: dict = field(default_factory=dict)  # SimResult.summary(), the seeds' mean, and its spread
+    equivalent: list = field(default_factory=list)  # other valid layouts of the same prediction
 
     def dotted(self) -> list[str]:
         return [f"{k}={v}" for k, v in self.overrides.items()]
@@ -118,27 +119,37 @@ def _sync_intervals(cfg: DictConfig) -> list[Optional[int]]:
 
 
 def plan(cfg: DictConfig, gpus: int, gpus_per_node: int = 8, gpu: str = "h100", *, steps: Optional[int] = None,
-         top: int = 8, response: Optional[LengthDist] = None, prompt_len: Optional[int] = None,
-         efficiency: Optional[dict] = None, seed: int = 0) -> dict:
-    """{"ranked": [Candidate] best first (simulated), "layouts": n, "over_memory": n, "skipped": {error: n},
-    "unchecked": n}. Every layout's memory is estimated; those that fit are ordered by a steady-state bound
-    (the slower of generation and training per step, or their sum in the synchronous modes), the best of each
-    trainer/rollout split first; in that order each is checked against the config's validation until `top`
-    pass, and those are simulated and ranked by predicted tokens/s."""
+         seeds: int = 3, top: int = 8, response: Optional[LengthDist] = None, prompt_len: Optional[int] = None,
+         efficiency: Optional[dict] = None, seed: int = 0, exhaustive: bool = False) -> dict:
+    """{"ranked": [Candidate] best first, at most `top`, "all": every simulated Candidate, "layouts": n,
+    "over_memory": n, "skipped": {error: n}, "classes": n, "simulated": n, "pruned": n}.
+
+    Every layout's memory is estimated. Layouts whose simulations are identical (same SimSpec and Costs: TP2 x
+    DP16 and TP4 x DP8 cost the same in the model) form one class, shown once: by the member that passes the
+    config's validation with the least memory. Classes are simulated in the order of their upper bound
+    (plan/bound.py), each over `seeds` seeds of `steps` measured steps after the warm-up; once `top` are
+    simulated, a class whose bound (raised by its sampling margin) is below the `top`-th best mean cannot enter
+    the table and is pruned with all that follow (`exhaustive`: none is). The table is ranked by mean tokens/s;
+    the classes not separable from the best (means within two standard errors) come first, least memory first."""
     from m2po_megatron.config import model_hf_config
     from m2po_megatron.models.memory import estimate_gpu_memory, model_shape, param_count
+    from m2po_megatron.plan.bound import margin, upper_bound
 
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is not one of {', '.join(GPUS)}")
     if gpus < 2 or (gpus >= gpus_per_node and gpus % gpus_per_node):
         raise ValueError(f"--gpus {gpus}: give at least 2, and whole nodes of --gpus-per-node {gpus_per_node}")
+    if seeds < 1 or (steps is not None and steps < 1):
+        raise ValueError(f"--seeds {seeds}, --steps {steps}: give at least 1 of each")
     hf = model_hf_config(cfg)
     base = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     mem_gb = round(GPUS[gpu].memory_gb * 1e9 / 2**30, 1)
     shape, params = model_shape(hf), param_count(hf)
     p = cfg.parallel
     dtype = "bf16" if cfg.model.params_dtype == "auto" else cfg.model.params_dtype
-    found, over = [], 0
+    measured = steps or MEASURED_STEPS
+    classes: dict = {}
+    over = 0
     all_layouts = layouts(cfg, gpus, gpus_per_node)
     for lay, ov in all_layouts:
         try:
@@ -160,82 +171,155 @@ def plan(cfg: DictConfig, gpus: int, gpus_per_node: int = 8, gpu: str = "h100", 
         ctx = c.spec.prompt_len + c.spec.response.mean
         tokens_update = c.spec.groups_per_step * c.spec.n * ctx / c.spec.updates_per_step
         mbs = max(1, math.ceil(tokens_update / lay.dp / cfg.train.micro_batch_tokens))
+        # on one node the servers share the trainer's node: the weights go over NVLink
         c.costs = from_hardware(shape, params, lay, gpu, micro_batches=mbs, mean_context=ctx,
-                                mem_fraction_static=cfg.rollout.mem_fraction_static, efficiency=efficiency)
-        c.predicted = {"bound_step_s": _bound(c.spec, c.costs)}
-        found.append(c)
-    # the quick bound misjudges long-tailed lengths (the tail decodes at a small batch), so every split of
-    # the cluster gets its best layout simulated first, then the rest in the bound's order
-    found.sort(key=lambda c: c.predicted["bound_step_s"])
-    firsts = {}
-    for c in found:
-        firsts.setdefault(c.layout.trainer_gpus, c)
-    lead = set(map(id, firsts.values()))
-    found = list(firsts.values()) + [c for c in found if id(c) not in lead]
-    ranked, skipped, checked = [], {}, 0
-    for c in found:
-        if len(ranked) >= top:
+                                mem_fraction_static=cfg.rollout.mem_fraction_static, efficiency=efficiency,
+                                same_node_sync=gpus <= gpus_per_node, fp8=bool(cfg.model.fp8),
+                                gpus_per_node=gpus_per_node, use_distributed_optimizer=p.use_distributed_optimizer)
+        classes.setdefault((c.spec, c.costs), []).append(c)
+    order = sorted(classes, key=lambda k: -upper_bound(k[0], k[1], measured))
+    bounds = {k: upper_bound(k[0], k[1], measured) for k in order}
+    skipped: dict = {}
+    done: list[Candidate] = []
+    i, pruned = 0, 0
+    workers = _workers()
+    while i < len(order):
+        kth = sorted((c.predicted["tokens_per_s"] for c in done), reverse=True)[top - 1] if len(done) >= top else 0.0
+        if not exhaustive and bounds[order[i]] * (1 + margin(order[i][0], measured, seeds)) < kth:
+            pruned = len(order) - i  # the order is by bound: every class after this one is bounded lower
             break
-        checked += 1
+        batch = []
+        while i < len(order) and len(batch) < workers:
+            rep = _representative(base, classes[order[i]], skipped)
+            if rep is not None:
+                rep.predicted["bound_tokens_per_s"] = bounds[order[i]]
+                batch.append(rep)
+            i += 1
+        for c, runs in zip(batch, _simulate_all([(c.spec, c.costs) for c in batch], measured, seed, seeds)):
+            c.predicted.update(_mean_of(runs))
+            c.predicted["sync_s"] = c.costs.sync_s()
+            done.append(c)
+    ranked = _rank(done)[:top]
+    return {"ranked": ranked, "layouts": len(all_layouts), "over_memory": over, "skipped": skipped,
+            "classes": len(classes), "simulated": len(done), "pruned": pruned, "all": done}
+
+
+MEASURED_STEPS = 8  # per seed, after the warm-up: with 3 seeds, a mean over 24 steps
+
+
+def _workers() -> int:
+    import os
+
+    return max(1, os.cpu_count() or 1)
+
+
+def _representative(base: DictConfig, members: list[Candidate], skipped: dict) -> Optional[Candidate]:
+    """The member of a class of equal predictions that passes validation with the least memory (then the
+    smaller trainer model-parallel group), the others that pass listed as its equals; None if none passes."""
+    rep = None
+    for c in sorted(members, key=lambda c: (c.memory_gb, c.layout.tp * c.layout.pp)):
         err = check(base, c.overrides)
         if err is not None:
             skipped[err] = skipped.get(err, 0) + 1
-            continue
-        ranked.append(c)
-    # layouts that differ only where the costs do not (TP2xDP16 and TP4xDP8) simulate once
-    keys = list(dict.fromkeys((c.spec, c.costs) for c in ranked))
-    done = dict(zip(keys, _simulate_all(keys, steps, seed)))
-    for c in ranked:
-        c.predicted.update(done[(c.spec, c.costs)])
-        c.predicted["sync_s"] = c.costs.sync_s()
-    # predictions equal to three significant figures go to the smaller trainer model-parallel group: less
-    # communication, which the trainer's cost model does not see
-    ranked.sort(key=lambda c: (-float(f"{c.predicted['tokens_per_s']:.3g}"), c.layout.tp * c.layout.pp, c.memory_gb))
-    return {"ranked": ranked, "layouts": len(all_layouts), "over_memory": over, "skipped": skipped,
-            "unchecked": len(found) - checked}
+        elif rep is None:
+            rep = c
+        else:
+            rep.equivalent.append(c)
+    return rep
 
 
-def _simulate_all(keys: list, steps: Optional[int], seed: int) -> list[dict]:
-    """_simulate for each (spec, costs), over the machine's cores (forked workers; serially where fork is not
-    available): the simulations are independent and each is pure Python."""
+def _mean_of(runs: list[dict]) -> dict:
+    """The seeds' mean of each figure, and the spread of the throughput: its standard deviation over the seeds
+    and the seeds' own values."""
+    out = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0] if k != "staleness_max"}
+    out["staleness_max"] = max(r["staleness_max"] for r in runs)
+    tps = [r["tokens_per_s"] for r in runs]
+    out["tokens_per_s_sd"] = (sum((t - out["tokens_per_s"]) ** 2 for t in tps) / (len(tps) - 1)) ** 0.5 \
+        if len(tps) > 1 else 0.0
+    out["tokens_per_s_seeds"] = tps
+    return out
+
+
+TIE = 0.01  # differences below 1 % are below what the model resolves: ties, whatever the seeds say
+
+
+def separable(a: dict, b: dict) -> bool:
+    """Whether two candidates' throughputs differ: by more than 1 %, and by more than two standard errors of
+    their difference. The seeds are common to all candidates (the same seed draws the same lengths in the
+    same order), so the difference is taken seed by seed: a paired comparison."""
+    xs, ys = a["tokens_per_s_seeds"], b["tokens_per_s_seeds"]
+    d = [x - y for x, y in zip(xs, ys)]
+    mean = sum(d) / len(d)
+    se = (sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5 if len(d) > 1 else 0.0
+    return abs(mean) > max(2 * se, TIE * max(a["tokens_per_s"], b["tokens_per_s"]))
+
+
+def _least_memory_of_ties(cands: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
+    """(the candidates not separable from the best by mean, least memory first; the rest, best first)."""
+    by_mean = sorted(cands, key=lambda c: -c.predicted["tokens_per_s"])
+    best = by_mean[0].predicted
+    tied = [c for c in by_mean if not separable(best, c.predicted)]
+    ids = {id(c) for c in tied}
+    tied.sort(key=lambda c: (c.memory_gb, c.layout.tp * c.layout.pp, -c.predicted["tokens_per_s"]))
+    return tied, [c for c in by_mean if id(c) not in ids]
+
+
+def _rank(done: list[Candidate]) -> list[Candidate]:
+    """One row per split of the cluster, rollout layout and sync interval: the trainer layouts of a row that
+    are not separable from its best are one choice, shown by the one with the least memory, the others listed
+    as its equals. Rows are ranked by mean tokens/s; those not separable from the best go first, least memory
+    first, each marked `tied_with_best`."""
+    rows: dict = {}
+    for c in done:
+        lay = c.layout
+        rows.setdefault((lay.trainer_gpus, lay.rollout_tp, lay.num_servers,
+                         c.overrides.get("staleness.sync_interval")), []).append(c)
+    reps = []
+    for members in rows.values():
+        tied, _ = _least_memory_of_ties(members)
+        rep = tied[0]
+        rep.equivalent += [e for c in tied[1:] for e in (c, *c.equivalent)]
+        reps.append(rep)
+    if not reps:
+        return []
+    tied, rest = _least_memory_of_ties(reps)
+    for c in reps:
+        c.predicted["tied_with_best"] = len(tied) > 1 and any(c is t for t in tied)
+    return tied + rest
+
+
+def _simulate_all(keys: list, measured: int, seed: int, seeds: int) -> list[list[dict]]:
+    """For each (spec, costs), its simulation at each of `seeds` seeds (seed, seed + 1, ...), over the machine's
+    cores (forked workers; serially where fork is not available): the simulations are independent and each is
+    pure Python."""
     import multiprocessing
-    import os
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = [(sp, c, steps, seed) for sp, c in keys]
-    workers = min(len(jobs), os.cpu_count() or 1)
+    jobs = [(sp, c, measured, seed + k) for sp, c in keys for k in range(seeds)]
+    workers = min(len(jobs), _workers())
     if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(_simulate_job, jobs))
-    return [_simulate_job(j) for j in jobs]
+            flat = list(pool.map(_simulate_job, jobs))
+    else:
+        flat = [_simulate_job(j) for j in jobs]
+    return [flat[k * seeds:(k + 1) * seeds] for k in range(len(keys))]
 
 
 def _simulate_job(job: tuple) -> dict:
     return _simulate(*job)
 
 
-def _simulate(sp: SimSpec, costs: Costs, steps: Optional[int], seed: int) -> dict:
-    """The simulated summary. fixed_lag's timing does not depend on the lag (it only delays which batch is
-    trained), so it runs with a lag of 1 and reports the recipe's steady-state staleness, lag x U, which is
-    what FixedLagQueue gives once warm; this keeps a lag of 64 from simulating 64 warm-up generations."""
+def _simulate(sp: SimSpec, costs: Costs, measured: int, seed: int) -> dict:
+    """The simulated summary of `measured` steps after the warm-up: in bounded mode the steps that fill the
+    window, in the synchronous modes the first step. fixed_lag's timing does not depend on the lag (it only
+    delays which batch is trained), so it runs with a lag of 1 and reports the recipe's steady-state
+    staleness, lag x U, which is what FixedLagQueue gives once warm; this keeps a lag of 64 from simulating 64
+    warm-up generations."""
     lag = sp.lag_steps
     if sp.mode == "fixed_lag":
         sp = replace(sp, lag_steps=min(lag, 1))
-    # bounded: the steps that fill the window (which simulate() leaves out) and four in the steady state
-    n = steps or (math.ceil(sp.max_staleness / sp.updates_per_step) + 1 + 4 if sp.mode == "bounded" else 5)
-    out = simulate(sp, costs, steps=n, seed=seed).summary()
+    skip = math.ceil(sp.max_staleness / sp.updates_per_step) + 1 if sp.mode == "bounded" else 1
+    out = simulate(sp, costs, steps=skip + measured, seed=seed, skip=skip).summary()
     if sp.mode == "fixed_lag":
         out["staleness_mean"] = out["staleness_max"] = lag * sp.updates_per_step
     return out
-
-
-def _bound(sp: SimSpec, c: Costs) -> float:
-    """A quick per-step time: generation of a step's samples on the servers (in waves of max_running at the
-    mean length) against training; summed in the synchronous modes, the larger in bounded."""
-    per_server = sp.groups_per_step * sp.n / sp.num_servers
-    batch = min(per_server, c.max_running)
-    waves = math.ceil(per_server / batch)
-    L = sp.response.mean
-    gen = waves * (c.decode_s(L, int(batch), batch * sp.prompt_len) + batch * sp.prompt_len * c.prefill_per_token_s)
-    train = c.train_s(sp.groups_per_step * sp.n * (sp.prompt_len + L), sp.updates_per_step, sp.logprob_pass)
-    return max(gen, train) if sp.mode == "bounded" else gen + train + c.sync_s()

@@ -66,5 +66,34 @@ def test_a_refused_split_names_its_whole_reason_and_the_table_says_what_idle_is(
     res = plan(cfg, 16, 8, "h100", top=2)
     text = format_plan(res, "qwen3-8b", 16, "h100")
     header = text.splitlines()[1].split(" | ")
-    assert header.index("mem GiB/GPU") == header.index("tokens/s") + 1  # memory beside throughput
+    assert header.index("mem GiB/GPU") == header.index("tokens/s (sd)") + 1  # memory beside throughput
     assert "idle T/R %: the share of the simulated wall time" in text
+
+
+SMALL = ["train.prompts_per_step=16", "rollout.max_new_tokens=2048", "data.max_prompt_len=512"]
+ASYNC = ["staleness.mode=bounded", "staleness.lag_steps=0", "staleness.behav_logprob_source=engine",
+         "staleness.max_staleness=8", "staleness.sync_interval=4"]
+
+
+@pytest.mark.parametrize("gpus,per_node,mode,prunes", [(16, 4, [], True), (16, 4, ASYNC, False), (24, 8, ASYNC, True)])
+def test_the_search_finds_what_brute_force_finds(gpus, per_node, mode, prunes):
+    """The pruned search against simulating every layout (same seeds, so a layout's prediction is the same in
+    both): every layout that brute force ranks in the top 3 by mean was simulated by the search, so the
+    search's #1 is brute force's best or declared not separable from it."""
+    from m2po_megatron.plan.search import separable
+
+    cfg = load_config("recipes/paper/qwen3-8b-base.yaml", SMALL + mode, check_files=False)
+    kw = dict(gpus_per_node=per_node, seeds=2, steps=3)
+    fast = plan(cfg, gpus, top=3, **kw)
+    brute = plan(cfg, gpus, top=10_000, exhaustive=True, **kw)
+    assert brute["pruned"] == 0 and brute["simulated"] == len(brute["all"])
+    assert 0 < fast["simulated"] <= brute["simulated"] <= fast["simulated"] + fast["pruned"]
+    assert (fast["pruned"] > 0) == prunes  # where the bounds separate the layouts, the search saves simulations
+    key = lambda c: (c.layout, c.overrides.get("staleness.sync_interval"))  # noqa: E731
+    by_mean = sorted(brute["all"], key=lambda c: -c.predicted["tokens_per_s"])
+    searched = {key(c): c.predicted["tokens_per_s"] for c in fast["all"]}
+    for c in by_mean[:3]:
+        assert searched.get(key(c)) == c.predicted["tokens_per_s"], key(c)  # simulated, and identically
+    best, first = by_mean[0].predicted, fast["ranked"][0]
+    assert key(first) == key(by_mean[0]) or not separable(best, first.predicted)
+    assert key(first) == key(brute["ranked"][0]) or first.predicted["tied_with_best"]
