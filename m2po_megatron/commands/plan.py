@@ -220,7 +220,10 @@ def _plan(args) -> int:
                                                  "pruned")},
                           "ranked": [{"layout": vars(c.layout), "overrides": c.overrides,
                                       "memory_gb": c.memory_gb, "predicted": c.predicted,
-                                      "equivalent": [vars(e.layout) for e in c.equivalent]} for c in ranked]},
+                                      "equivalent": [vars(e.layout) for e in c.equivalent]} for c in ranked],
+                          "colocated": None if res["colocated"] is None else {
+                              "layout": vars(res["colocated"].layout), "overrides": res["colocated"].overrides,
+                              "memory_gb": res["colocated"].memory_gb, "predicted": res["colocated"].predicted}},
                          indent=2))
         return 0
     print(format_plan(res, args.target, args.gpus, gpu))
@@ -250,6 +253,7 @@ def format_plan(res: dict, recipe: str, gpus: int, gpu: str) -> str:
     if ties:
         lines.append(f"~ ranks {', '.join(map(str, ties))} are not separable from the best: ranked by memory, least "
                      "first")
+    lines += colocated_lines(res)
     for i, c in enumerate(res["ranked"], 1):
         if c.equivalent:
             lines.append(f"rank {i} (+{len(c.equivalent)}): the same within the model's resolution with trainer "
@@ -265,6 +269,25 @@ def format_plan(res: dict, recipe: str, gpus: int, gpu: str) -> str:
     for reason, k in res["skipped"].items():
         lines.append(f"refused by validation ({k} layouts): {reason}")
     return "\n".join(lines)
+
+
+def colocated_lines(res: dict) -> list[str]:
+    """What the best colocated layout (plan/colocated.py) would give, against the table's #1."""
+    co = res.get("colocated")
+    if co is None:
+        return ["colocated (every GPU generates, then trains): no trainer layout fits on its own"]
+    p, lay = co.predicted, co.layout
+    line = (f"colocated (every GPU generates, then trains, as verl's and slime's hybrid engine; "
+            f"{co.overrides['staleness.mode']}): {p['tokens_per_s']:.0f} ({p['tokens_per_s_sd']:.0f}) tokens/s with "
+            f"trainer {lay.tp}x{lay.pp}x{lay.dp} and {lay.num_servers} x TP{lay.rollout_tp}, {p['swap_s']:.1f} s "
+            "of memory swap per step")
+    if res["ranked"]:
+        ratio = p["tokens_per_s"] / res["ranked"][0].predicted["tokens_per_s"]
+        line += f": {ratio:.2f}x rank 1"
+        if ratio > 1.01:
+            line += ("; here colocation is the better answer, which this project does not run yet (its trainer "
+                     "and servers hold separate GPUs)")
+    return [line]
 
 
 def _write_overrides(path: str, best, recipe: str, user: list[str], gpus: int, gpu: str) -> None:

@@ -11,6 +11,8 @@ InfiniBand NIC per GPU, as in DGX/HGX nodes):
 - A100 SXM4 80 GB: NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS, 2.039 TB/s, NVLink 600 GB/s (12
   third-generation links; 300 GB/s per direction); no FP8 Tensor Cores (Ampere has none). DGX A100:
   8 x ConnectX-6 200 Gb/s (25 GB/s per GPU).
+- Host link (a colocated layout's memory swap): PCIe Gen5 x16 on H100 and H200 SXM (the datasheets' 128 GB/s is
+  both directions: 64 per direction), PCIe Gen4 x16 on A100 (64 GB/s both directions: 32).
 
 The efficiencies are assumptions, not measurements: MFU 0.35 for
 the trainer (Megatron-LM reports 40-47 % for dense GPT training at scale; RL batches of ragged sequences run
@@ -40,6 +42,7 @@ class Gpu:
     nvlink_gb_s: float  # per direction: what one transfer between two GPUs of a node gets
     ib_gb_s_per_gpu: float  # one NIC per GPU, per direction: what one sender gets across nodes
     fp8_tflops: Optional[float] = None  # dense; None: no FP8 Tensor Cores
+    pcie_gb_s: float = 64.0  # to the host, per direction
 
 
 GPUS = {
@@ -48,7 +51,7 @@ GPUS = {
     "h200": Gpu("H200 SXM 141GB", bf16_tflops=989.0, hbm_tb_s=4.8, memory_gb=141.0, nvlink_gb_s=450.0,
                 ib_gb_s_per_gpu=50.0, fp8_tflops=1979.0),
     "a100": Gpu("A100 SXM4 80GB", bf16_tflops=312.0, hbm_tb_s=2.039, memory_gb=80.0, nvlink_gb_s=300.0,
-                ib_gb_s_per_gpu=25.0, fp8_tflops=None),
+                ib_gb_s_per_gpu=25.0, fp8_tflops=None, pcie_gb_s=32.0),
 }
 
 EFFICIENCY = {

@@ -132,8 +132,9 @@ def plan(cfg: DictConfig, gpus: int, gpus_per_node: int = 8, gpu: str = "h100", 
     the table and is pruned with all that follow (`exhaustive`: none is). The table is ranked by mean tokens/s;
     the classes not separable from the best (means within two standard errors) come first, least memory first."""
     from m2po_megatron.config import model_hf_config
-    from m2po_megatron.models.memory import estimate_gpu_memory, model_shape, param_count
+    from m2po_megatron.models.memory import model_shape, param_count
     from m2po_megatron.plan.bound import margin, upper_bound
+    from m2po_megatron.plan.colocated import colocated
 
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is not one of {', '.join(GPUS)}")
@@ -146,23 +147,13 @@ def plan(cfg: DictConfig, gpus: int, gpus_per_node: int = 8, gpu: str = "h100", 
     mem_gb = round(GPUS[gpu].memory_gb * 1e9 / 2**30, 1)
     shape, params = model_shape(hf), param_count(hf)
     p = cfg.parallel
-    dtype = "bf16" if cfg.model.params_dtype == "auto" else cfg.model.params_dtype
     measured = steps or MEASURED_STEPS
     classes: dict = {}
     over = 0
     all_layouts = layouts(cfg, gpus, gpus_per_node)
     for lay, ov in all_layouts:
-        try:
-            est = estimate_gpu_memory(hf, micro_batch_tokens=cfg.train.micro_batch_tokens,
-                                      tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
-                                      data_parallel_size=lay.dp, use_distributed_optimizer=p.use_distributed_optimizer,
-                                      params_dtype=dtype, fp8=bool(cfg.model.fp8),
-                                      sequence_parallel=p.sequence_parallel and lay.tp > 1,
-                                      recompute=p.recompute_granularity, context_parallel_size=p.context_parallel_size)
-        except ValueError:
-            over += 1
-            continue
-        if est["total"] > mem_gb:
+        est = trainer_memory(cfg, hf, lay)
+        if est is None or est["total"] > mem_gb:
             over += 1
             continue
         c = Candidate(lay, {**ov, "cluster.gpu_memory_gb": mem_gb}, est["total"])
@@ -200,8 +191,27 @@ def plan(cfg: DictConfig, gpus: int, gpus_per_node: int = 8, gpu: str = "h100", 
             c.predicted["sync_s"] = c.costs.sync_s()
             done.append(c)
     ranked = _rank(done)[:top]
-    return {"ranked": ranked, "layouts": len(all_layouts), "over_memory": over, "skipped": skipped,
+    co = colocated(cfg, gpus, gpus_per_node, gpu, seeds=seeds, measured=measured, response=response,
+                   prompt_len=prompt_len, efficiency=efficiency, seed=seed)
+    return {"ranked": ranked, "colocated": co, "layouts": len(all_layouts), "over_memory": over, "skipped": skipped,
             "classes": len(classes), "simulated": len(done), "pruned": pruned, "all": done}
+
+
+def trainer_memory(cfg: DictConfig, hf: dict, lay: Layout) -> Optional[dict]:
+    """models/memory.py's estimate per trainer GPU of `lay` (GiB by part, "total"); None when it cannot be
+    built (a layout the model's shape does not divide)."""
+    from m2po_megatron.models.memory import estimate_gpu_memory
+
+    p = cfg.parallel
+    try:
+        return estimate_gpu_memory(hf, micro_batch_tokens=cfg.train.micro_batch_tokens,
+                                   tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+                                   data_parallel_size=lay.dp, use_distributed_optimizer=p.use_distributed_optimizer,
+                                   params_dtype="bf16" if cfg.model.params_dtype == "auto" else cfg.model.params_dtype,
+                                   fp8=bool(cfg.model.fp8), sequence_parallel=p.sequence_parallel and lay.tp > 1,
+                                   recompute=p.recompute_granularity, context_parallel_size=p.context_parallel_size)
+    except ValueError:
+        return None
 
 
 MEASURED_STEPS = 8  # per seed, after the warm-up: with 3 seeds, a mean over 24 steps

@@ -97,3 +97,30 @@ def test_the_search_finds_what_brute_force_finds(gpus, per_node, mode, prunes):
     best, first = by_mean[0].predicted, fast["ranked"][0]
     assert key(first) == key(by_mean[0]) or not separable(best, first.predicted)
     assert key(first) == key(brute["ranked"][0]) or first.predicted["tied_with_best"]
+
+
+def test_colocated_layout_is_priced_with_its_swap_and_compared():
+    """plan/colocated.py: every GPU serves and trains; the step pays the trainer's states to the host and back
+    over PCIe, and syncs in place; the plan's text says how it compares with rank 1."""
+    from m2po_megatron.commands.plan import colocated_lines
+    from m2po_megatron.plan.colocated import swap_s
+    from m2po_megatron.plan.hardware import GPUS
+
+    assert swap_s(10.0, "h100") == pytest.approx(2 * 10 * 2**30 / (64e9 * 0.5))
+    assert swap_s(10.0, "a100") == pytest.approx(2 * swap_s(10.0, "h100"))  # PCIe Gen4: half of Gen5
+    cfg = load_config("recipes/paper/qwen3-8b-base.yaml", SMALL, check_files=False)
+    res = plan(cfg, 16, gpus_per_node=4, seeds=2, steps=3, top=2)
+    co = res["colocated"]
+    lay = co.layout
+    assert lay.trainer_gpus == 16 and lay.rollout_gpus == 16 and co.overrides["staleness.mode"] == "fixed_lag"
+    assert co.costs.loop_fixed_s == pytest.approx(co.predicted["swap_s"]) and co.predicted["swap_s"] > 0
+    assert co.costs.sync_per_byte_s == pytest.approx(1 / (GPUS["h100"].nvlink_gb_s * 1e9 * 0.5))  # in place
+    assert co.memory_gb <= GPUS["h100"].memory_gb * 1e9 / 2**30
+    ratio = co.predicted["tokens_per_s"] / res["ranked"][0].predicted["tokens_per_s"]
+    (line,) = colocated_lines(res)
+    assert f"{ratio:.2f}x rank 1" in line and ("better answer" in line) == (ratio > 1.01)
+    # a bounded recipe is priced on-policy: both phases hold every GPU
+    res = plan(load_config("recipes/paper/qwen3-8b-base.yaml", SMALL + ASYNC, check_files=False), 16,
+               gpus_per_node=4, seeds=2, steps=3, top=1)
+    assert res["colocated"].overrides["staleness.mode"] == "on_policy"
+    assert res["colocated"].predicted["staleness_max"] == 0

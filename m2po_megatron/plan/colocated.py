@@ -1,0 +1,107 @@
+"""Colocated layouts: every GPU generates, then every GPU trains, the synchronous hybrid engine of verl and
+slime. `m2po plan` prices the best of them beside the disaggregated ones, so that a plan says when colocation
+would be the better answer (often for on-policy runs, where a disaggregated trainer idles while the servers
+generate and the servers idle while it trains).
+
+The same cost model and simulation price it: the recipe's synchronous loop (on_policy or fixed_lag; a bounded
+recipe is priced on-policy, since both phases hold every GPU) with a server on every `rollout_tp` GPUs and the
+trainer on all of them, plus what colocation adds per step:
+- **the memory swap between the phases**: before generating, the trainer's weights, gradients and optimizer
+  states (models/memory.py's estimate per GPU) go to host memory, and come back before training: twice those
+  bytes per step over the GPU's PCIe link (per direction) at the link efficiency. verl offloads the same
+  states in its hybrid engine; slime releases them through torch_memory_saver, and SGLang frees its weights
+  and KV cache (`release_memory_occupation`), which takes no transfer;
+- **the weight sync in place**: the new weights reach the engine on the same GPUs (CUDA IPC, NVLink across a
+  tensor-parallel group): the sync's NVLink path.
+With the trainer's states offloaded, the engine gets the GPU as a disaggregated server would, so its KV budget
+is the same; the trainer layout must fit the GPU's memory on its own.
+
+This project's runtime does not run colocated layouts (its trainer ranks and servers hold separate GPUs): the
+plan prices one to show what it would give, and says so."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from m2po_megatron.plan.costs import Layout, from_hardware
+from m2po_megatron.plan.hardware import EFFICIENCY, GPUS
+from m2po_megatron.plan.sim import LengthDist
+
+__all__ = ["colocated", "swap_s"]
+
+_SIZES = (1, 2, 4, 8)
+
+
+def swap_s(state_gib: float, gpu: str, efficiency: Optional[dict] = None) -> float:
+    """Seconds per step to move `state_gib` GiB of trainer state to the host and back over PCIe."""
+    link = {**EFFICIENCY, **(efficiency or {})}["link"]
+    return 2 * state_gib * 2**30 / (GPUS[gpu].pcie_gb_s * 1e9 * link)
+
+
+def colocated(cfg: DictConfig, gpus: int, gpus_per_node: int, gpu: str, *, seeds: int, measured: int,
+              response: Optional[LengthDist] = None, prompt_len: Optional[int] = None,
+              efficiency: Optional[dict] = None, seed: int = 0):
+    """The best colocated layout of `gpus` as a search.Candidate (simulated over `seeds` seeds), or None when
+    no trainer layout fits the GPU's memory. The trainer layout is the one whose step (training and swap) is
+    the shortest, then the least memory; each rollout TP is simulated."""
+    from m2po_megatron.config import model_hf_config
+    from m2po_megatron.models.memory import model_shape, param_count
+    from m2po_megatron.plan.search import Candidate, _mean_of, _simulate_all, spec_from_config, trainer_memory
+
+    mode = cfg.staleness.mode if cfg.staleness.mode in ("on_policy", "fixed_lag") else "on_policy"
+    c = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"staleness.mode={mode}"]))
+    hf = model_hf_config(c)
+    shape, params = model_shape(hf), param_count(hf)
+    mem_gb = GPUS[gpu].memory_gb * 1e9 / 2**30
+    heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+    probe = spec_from_config(c, num_servers=1, response=response, prompt_len=prompt_len)
+    ctx = probe.prompt_len + probe.response.mean
+    step_tokens = probe.groups_per_step * probe.n * ctx
+    best_trainer = None
+    for tp in _SIZES:
+        for pp in _SIZES:
+            if tp > gpus_per_node or heads % tp or layers % pp or gpus % (tp * pp):
+                continue
+            lay = Layout(tp, pp, gpus // (tp * pp), 1, gpus)
+            est = trainer_memory(c, hf, lay)
+            if est is None or est["total"] > mem_gb:
+                continue
+            mbs = max(1, math.ceil(step_tokens / probe.updates_per_step / lay.dp / c.train.micro_batch_tokens))
+            costs = _costs(c, shape, params, lay, gpu, mbs, ctx, gpus_per_node, efficiency)
+            swap = swap_s(est["weights"] + est["grads"] + est["optimizer"], gpu, efficiency)
+            t = costs.train_s(step_tokens, probe.updates_per_step, probe.logprob_pass) + swap
+            key = (round(t, 3), est["total"])
+            if best_trainer is None or key < best_trainer[0]:
+                best_trainer = (key, lay, est, mbs, swap)
+    if best_trainer is None:
+        return None
+    _, tlay, est, mbs, swap = best_trainer
+    cands = []
+    for rtp in _SIZES:
+        if rtp > gpus_per_node or heads % rtp or gpus % rtp:
+            continue
+        lay = Layout(tlay.tp, tlay.pp, tlay.dp, rtp, gpus // rtp)
+        cand = Candidate(lay, {"staleness.mode": mode, "parallel.tensor_model_parallel_size": lay.tp,
+                               "parallel.pipeline_model_parallel_size": lay.pp, "parallel.data_parallel_size": lay.dp,
+                               "rollout.tp_size": rtp, "rollout.num_servers": lay.num_servers}, est["total"])
+        cand.spec = spec_from_config(c, num_servers=lay.num_servers, response=response, prompt_len=prompt_len)
+        base = _costs(c, shape, params, lay, gpu, mbs, ctx, gpus_per_node, efficiency)
+        cand.costs = replace(base, loop_fixed_s=base.loop_fixed_s + swap,
+                             source=base.source + f"; colocated, {swap:.2f} s of memory swap per step")
+        cand.predicted["swap_s"] = swap
+        cands.append(cand)
+    for cand, runs in zip(cands, _simulate_all([(x.spec, x.costs) for x in cands], measured, seed, seeds)):
+        cand.predicted.update(_mean_of(runs))
+        cand.predicted["sync_s"] = cand.costs.sync_s()
+    return max(cands, key=lambda x: x.predicted["tokens_per_s"]) if cands else None
+
+
+def _costs(c: DictConfig, shape, params: int, lay: Layout, gpu: str, mbs: int, ctx: float, gpus_per_node: int,
+           efficiency: Optional[dict]):
+    return from_hardware(shape, params, lay, gpu, micro_batches=mbs, mean_context=ctx,
+                         mem_fraction_static=c.rollout.mem_fraction_static, efficiency=efficiency,
+                         same_node_sync=True, fp8=bool(c.model.fp8), gpus_per_node=gpus_per_node,
+                         use_distributed_optimizer=c.parallel.use_distributed_optimizer)
