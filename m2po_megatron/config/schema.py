@@ -231,6 +231,9 @@ class ClusterSection:
     trainer_nodes: int = 1
     rollout_nodes: int = 0  # 0 = rollout servers share the trainer's node(s)
     gpus_per_node: int = 0  # 0 = CPU: one trainer process per rank
+    # GPUs of each trainer node the trainer ranks take (0: all). Fewer, with rollout_nodes = 0, splits a node:
+    # the rollout servers get the rest of its GPUs (Ray hands each process distinct ones)
+    trainer_gpus_per_node: int = 0
     gpu_memory_gb: Optional[float] = None  # when set, the per-GPU memory estimate must fit
     timeout_s: float = 3600.0  # longest wait on another process (trainer ranks, servers) before the run stops
 

@@ -71,7 +71,7 @@ NON_NEGATIVE = [
     "algo.grpo.eps_clip_high", "algo.gspo.eps_clip_low", "algo.gspo.eps_clip_high", "optim.lr",
     "optim.min_lr", "optim.weight_decay", "optim.clip_grad", "optim.warmup_updates", "eval.interval",
     "checkpoint.interval", "rollout.max_retries", "rollout.max_restarts", "cluster.rollout_nodes",
-    "cluster.gpus_per_node", "reward.format_score", "rollout.temperature", "algo.adv_eps", "optim.adam_eps",
+    "cluster.gpus_per_node", "cluster.trainer_gpus_per_node", "reward.format_score", "rollout.temperature", "algo.adv_eps", "optim.adam_eps",
     "rollout.port", "checkpoint.stop_timeout_s", "train.filter_groups.max_num_gen_batches",
 ]
 
@@ -209,24 +209,37 @@ def _check_layout(cfg: DictConfig, errors: list[str]) -> None:
         errors.append(f"model.fp8 runs on Transformer Engine layers: set model.attention_backend = te (or auto), "
                       f"not {backend}")
     c = cfg.cluster
-    if c.gpus_per_node > 0 and c.gpus_per_node % tp:
-        errors.append(f"cluster.gpus_per_node = {c.gpus_per_node} is not a multiple of "
+    per_node = c.trainer_gpus_per_node or c.gpus_per_node  # trainer ranks per trainer node
+    if c.gpus_per_node > 0 and per_node % tp:
+        which = "trainer_gpus_per_node" if c.trainer_gpus_per_node else "gpus_per_node"
+        errors.append(f"cluster.{which} = {per_node} is not a multiple of "
                       f"parallel.tensor_model_parallel_size = {tp}: a tensor-parallel group must sit on one node")
-    if c.gpus_per_node > 0:
-        trainer_gpus = c.trainer_nodes * c.gpus_per_node
+    if c.trainer_gpus_per_node and (c.gpus_per_node == 0 or c.trainer_gpus_per_node > c.gpus_per_node):
+        errors.append(f"cluster.trainer_gpus_per_node = {c.trainer_gpus_per_node} needs GPUs and at most "
+                      f"cluster.gpus_per_node = {c.gpus_per_node}; set it to 0 (all of them) or up to it")
+    elif c.gpus_per_node > 0:
+        trainer_gpus = c.trainer_nodes * per_node
         if trainer_gpus != tp * pp * cp * dp:
+            what = ("cluster.trainer_nodes x cluster.trainer_gpus_per_node" if c.trainer_gpus_per_node
+                    else "cluster.trainer_nodes x cluster.gpus_per_node")
             errors.append(
-                f"trainer GPUs = cluster.trainer_nodes x cluster.gpus_per_node = {c.trainer_nodes} x "
-                f"{c.gpus_per_node} = {trainer_gpus}, but tensor x pipeline x context x data parallel = "
-                f"{tp} x {pp} x {cp} x {dp} = {tp * pp * cp * dp}; make them equal "
+                f"trainer GPUs = {what} = {c.trainer_nodes} x {per_node} = {trainer_gpus}, but tensor x pipeline "
+                f"x context x data parallel = {tp} x {pp} x {cp} x {dp} = {tp * pp * cp * dp}; make them equal "
                 f"(e.g. parallel.data_parallel_size = {max(1, trainer_gpus // (tp * pp * cp))})")
-        if c.rollout_nodes > 0 and cfg.rollout.engine == "sglang":
+        if c.trainer_gpus_per_node and c.trainer_gpus_per_node < c.gpus_per_node and c.rollout_nodes > 0:
+            errors.append(f"cluster.trainer_gpus_per_node = {c.trainer_gpus_per_node} < cluster.gpus_per_node = "
+                          f"{c.gpus_per_node} splits the trainer's nodes with the rollout servers, which needs "
+                          f"cluster.rollout_nodes = 0 (not {c.rollout_nodes}); or set trainer_gpus_per_node = 0")
+        shared = c.rollout_nodes == 0 and per_node < c.gpus_per_node
+        if (c.rollout_nodes > 0 or shared) and cfg.rollout.engine == "sglang":
             per_server = cfg.rollout.tp_size * cfg.rollout.dp_size  # GPUs of one server
-            rollout_gpus = c.rollout_nodes * c.gpus_per_node
-            if rollout_gpus % per_server:
-                errors.append(f"rollout GPUs = {rollout_gpus} are not a multiple of "
+            free = c.gpus_per_node - per_node if shared else c.gpus_per_node  # rollout GPUs per node
+            nodes = c.trainer_nodes if shared else c.rollout_nodes
+            rollout_gpus = nodes * free
+            if free % per_server:
+                errors.append(f"rollout GPUs per node = {free} are not a multiple of "
                               f"rollout.tp_size x rollout.dp_size = {per_server}")
-            if not cfg.rollout.urls and cfg.rollout.num_servers * per_server > rollout_gpus:
+            elif not cfg.rollout.urls and cfg.rollout.num_servers * per_server > rollout_gpus:
                 errors.append(f"rollout.num_servers x rollout.tp_size x rollout.dp_size = {cfg.rollout.num_servers} "
                               f"x {cfg.rollout.tp_size} x {cfg.rollout.dp_size} GPUs exceed the {rollout_gpus} "
                               f"rollout GPUs; use rollout.num_servers = {max(1, rollout_gpus // per_server)}")

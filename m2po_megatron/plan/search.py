@@ -2,7 +2,7 @@
 memory estimate, simulate them (plan/sim.py) and rank them by predicted trained tokens per second.
 
 Splits: with two or more nodes, whole nodes train and whole nodes generate (cluster.trainer_nodes and
-rollout_nodes); on one node, GPUs are split within it. Trainer layouts: TP and PP in {1, 2, 4, 8} (TP within a
+rollout_nodes); on one node, GPUs are split within it (cluster.trainer_gpus_per_node, the servers on the rest). Trainer layouts: TP and PP in {1, 2, 4, 8} (TP within a
 node), DP the rest. Servers: rollout.tp_size in {1, 2, 4, 8} within a node, as many servers as fit. In
 bounded mode, staleness.sync_interval takes each multiple of updates_per_step the controller accepts; the
 staleness window itself is the recipe's (it is part of the algorithm, not of the layout)."""
@@ -70,7 +70,8 @@ def layouts(cfg: DictConfig, gpus: int, gpus_per_node: int) -> list[tuple[Layout
     nodes = gpus // gpus_per_node
     if nodes >= 2:
         splits = [(t * gpus_per_node, (nodes - t) * gpus_per_node, t, nodes - t) for t in range(1, nodes)]
-    else:
+    else:  # one node split between the two (cluster.trainer_gpus_per_node, the servers on the rest)
+        gpus_per_node = gpus
         splits = [(t, gpus - t, 1, 0) for t in range(1, gpus)]
     out = []
     for tg, rg, tn, rn in splits:
@@ -80,7 +81,7 @@ def layouts(cfg: DictConfig, gpus: int, gpus_per_node: int) -> list[tuple[Layout
                         and tg % (tp * pp) == 0):
                     continue
                 for rtp in SIZES:
-                    if not (_divides(gpus_per_node, rtp) and _divides(heads, rtp) and rg >= rtp):
+                    if not (_divides(gpus_per_node, rtp) and _divides(heads, rtp) and rg % rtp == 0):
                         continue
                     lay = Layout(tp, pp, tg // (tp * pp), rtp, rg // rtp)
                     for si in _sync_intervals(cfg):
@@ -88,6 +89,8 @@ def layouts(cfg: DictConfig, gpus: int, gpus_per_node: int) -> list[tuple[Layout
                               "parallel.data_parallel_size": lay.dp, "rollout.tp_size": rtp,
                               "rollout.num_servers": lay.num_servers, "cluster.trainer_nodes": tn,
                               "cluster.rollout_nodes": rn, "cluster.gpus_per_node": gpus_per_node}
+                        if rn == 0:
+                            ov["cluster.trainer_gpus_per_node"] = tg
                         if tp == 1:
                             ov["parallel.sequence_parallel"] = False
                         if si is not None:

@@ -14,14 +14,15 @@ from m2po_megatron.run.rundir import record_placement
 def start_trainers(cfg: DictConfig, world: int, rdir: Path, ckpts) -> "Ranks":
     """One Ray actor per Megatron rank on the `trainer` nodes; on GPUs, one placement group per node holding
     gpus_per_node consecutive ranks (whole tensor-parallel groups), each building a MegatronActor from the
-    recipe (actor.options.actor_kwargs)."""
+    recipe (actor.options.actor_kwargs). With cluster.trainer_gpus_per_node, a group holds that many: the
+    servers on those nodes get the node's other GPUs."""
     import ray
 
     from m2po_megatron.infra.cluster import PlacementTimeout, RankGroup
     from m2po_megatron.run.worker import TrainerWorker
     from m2po_megatron.infra.errors import RunError
 
-    gpus = cfg.cluster.gpus_per_node
+    gpus = cfg.cluster.trainer_gpus_per_node or cfg.cluster.gpus_per_node  # trainer ranks per node
     try:
         group = RankGroup(TrainerWorker, world, gpus_per_rank=1 if gpus else 0, ranks_per_node=gpus or None,
                           placement_timeout_s=cfg.cluster.timeout_s, timeout_s=cfg.cluster.timeout_s,

@@ -118,6 +118,30 @@ def test_layouts_the_actor_cannot_run_are_refused_at_config_time():
     assert "rollout.dp_size = 2" in err(None, rollout + ["rollout.dp_size=2"])
 
 
+def test_a_node_split_between_trainer_and_servers():
+    """cluster.trainer_gpus_per_node: the trainer takes that many GPUs of each trainer node, the servers (with
+    rollout_nodes = 0) the rest; each count is checked against the layout."""
+    split = ["cluster.gpus_per_node=8", "cluster.rollout_nodes=0", "cluster.trainer_gpus_per_node=4",
+             "parallel.data_parallel_size=4", "rollout.engine=sglang", "rollout.tp_size=2", "rollout.num_servers=2"]
+    cfg = load_config(None, split)
+    assert cfg.cluster.trainer_gpus_per_node == 4 and cfg.rollout.num_servers == 2
+    msg = err(None, split[:3] + ["parallel.data_parallel_size=8"] + split[4:])
+    assert "cluster.trainer_nodes x cluster.trainer_gpus_per_node = 1 x 4 = 4" in msg
+    assert "parallel.data_parallel_size = 4" in msg
+    msg = err(None, split[:-1] + ["rollout.num_servers=3"])  # 3 x 2 GPUs, 4 left on the node
+    assert "exceed the 4 rollout GPUs" in msg and "rollout.num_servers = 2" in msg
+    assert "rollout GPUs per node = 4 are not a multiple of rollout.tp_size x rollout.dp_size = 8" in err(
+        None, split[:-2] + ["rollout.tp_size=8", "rollout.num_servers=1"])
+    msg = err(None, ["cluster.gpus_per_node=8", "cluster.trainer_gpus_per_node=12", "parallel.data_parallel_size=8"])
+    assert "cluster.trainer_gpus_per_node = 12" in msg and "at most" in msg
+    msg = err(None, ["cluster.gpus_per_node=8", "cluster.rollout_nodes=1", "cluster.trainer_gpus_per_node=4",
+                     "parallel.data_parallel_size=4"])
+    assert "needs cluster.rollout_nodes = 0" in msg
+    msg = err(None, split[:3] + ["parallel.tensor_model_parallel_size=8", "parallel.data_parallel_size=1",
+                                 "cluster.trainer_gpus_per_node=4"])
+    assert "cluster.trainer_gpus_per_node = 4 is not a multiple of parallel.tensor_model_parallel_size = 8" in msg
+
+
 def test_model_layout_rules(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(

@@ -7,7 +7,7 @@ from m2po_megatron.plan.search import plan
 
 def test_recommended_layouts_pass_m2po_config():
     cfg = load_config("recipes/paper/qwen3-8b-base.yaml", [], check_files=False)
-    res = plan(cfg, 16, top=3)
+    res = plan(cfg, 16, top=3, seeds=2, steps=3)
     assert res["ranked"] and res["layouts"] >= len(res["ranked"])
     tps = [c.predicted["tokens_per_s"] for c in res["ranked"]]
     assert all(b <= a * 1.01 for a, b in zip(tps, tps[1:])) and all(t > 0 for t in tps)  # equal to 3 figures: ties
@@ -25,7 +25,8 @@ def test_plan_command_writes_the_best_layout_as_a_recipe_that_validates(tmp_path
 
     out = tmp_path / "overrides.yaml"
     p = subprocess.run([sys.executable, "-m", "m2po_megatron.cli", "plan", "recipes/paper/qwen3-8b-base.yaml",
-                        "--gpus", "16", "--top", "2", "--out", str(out), "--format", "json",
+                        "--gpus", "16", "--top", "2", "--seeds", "2", "--steps", "3", "--out", str(out),
+                        "--format", "json",
                         "staleness.mode=bounded", "staleness.lag_steps=0", "staleness.behav_logprob_source=engine",
                         "staleness.max_staleness=8",
                         "staleness.sync_interval=4"],
@@ -63,7 +64,7 @@ def test_a_refused_split_names_its_whole_reason_and_the_table_says_what_idle_is(
     err = check(cfg, {"parallel.tensor_model_parallel_size": 3})
     assert "parallel.tensor_model_parallel_size = 3" in err and err.endswith("must sit on one node"), err
     assert "invalid config" not in err
-    res = plan(cfg, 16, 8, "h100", top=2)
+    res = plan(cfg, 16, 8, "h100", top=2, seeds=2, steps=3)
     text = format_plan(res, "qwen3-8b", 16, "h100")
     header = text.splitlines()[1].split(" | ")
     assert header.index("mem GiB/GPU") == header.index("tokens/s (sd)") + 1  # memory beside throughput
@@ -75,14 +76,16 @@ ASYNC = ["staleness.mode=bounded", "staleness.lag_steps=0", "staleness.behav_log
          "staleness.max_staleness=8", "staleness.sync_interval=4"]
 
 
-@pytest.mark.parametrize("gpus,per_node,mode,prunes", [(16, 4, [], True), (16, 4, ASYNC, False), (24, 8, ASYNC, True)])
-def test_the_search_finds_what_brute_force_finds(gpus, per_node, mode, prunes):
+@pytest.mark.parametrize("recipe,gpus,per_node,mode,prunes", [
+    ("qwen3-8b-base", 16, 4, [], True), ("qwen3-8b-base", 16, 4, ASYNC, False), ("qwen3-8b-base", 24, 8, ASYNC, True),
+    ("qwen3-1.7b-base", 8, 8, [], True)])  # the last: one node split between trainer and servers
+def test_the_search_finds_what_brute_force_finds(recipe, gpus, per_node, mode, prunes):
     """The pruned search against simulating every layout (same seeds, so a layout's prediction is the same in
     both): every layout that brute force ranks in the top 3 by mean was simulated by the search, so the
     search's #1 is brute force's best or declared not separable from it."""
     from m2po_megatron.plan.search import separable
 
-    cfg = load_config("recipes/paper/qwen3-8b-base.yaml", SMALL + mode, check_files=False)
+    cfg = load_config(f"recipes/paper/{recipe}.yaml", SMALL + mode, check_files=False)
     kw = dict(gpus_per_node=per_node, seeds=2, steps=3)
     fast = plan(cfg, gpus, top=3, **kw)
     brute = plan(cfg, gpus, top=10_000, exhaustive=True, **kw)
