@@ -219,6 +219,7 @@ class _Work:
     peak: float  # BF16 FLOP/s
     hbm: float  # B/s
     train_tok_at_peak_s: float  # per token, on the trainer's GPUs together, bubble included, MFU 1
+    tp_bytes_tok: float  # tensor-parallel activation traffic per token (forward and backward), per rank
     opt_bytes: float  # the optimizer's HBM traffic per GPU per update
     dp_bytes: float  # data-parallel collectives per rank per update
     dp_link: float  # B/s per direction
@@ -246,6 +247,11 @@ def _work(shape, params: int, layout: Layout, g: Gpu, *, micro_batches: int, mea
         bf16_flops -= 6 * layers_mm
     bubble = 1 + (layout.pp - 1) / max(micro_batches, 1)
     train_tok = (bf16_flops / peak + fp8_s) * bubble / layout.trainer_gpus
+    # tensor parallelism moves every token's activations: per layer an all-gather and a reduce-scatter (or an
+    # all-reduce, the same bytes) around attention and around the MLP, forward and again backward, each
+    # (TP - 1) / TP of hidden x 2 bytes per rank; a stage holds layers / PP, a replica sees 1 / DP of the tokens
+    tp = layout.tp
+    tp_bytes = (shape.layers / layout.pp) * 8 * (tp - 1) / tp * shape.hidden * PARAM_BYTES * bubble / layout.dp
     model_parallel = layout.tp * layout.pp
     dp = layout.dp
     owned = params / (layout.trainer_gpus if use_distributed_optimizer else model_parallel)
@@ -261,7 +267,7 @@ def _work(shape, params: int, layout: Layout, g: Gpu, *, micro_batches: int, mea
     weights = params * PARAM_BYTES
     kv = kv_bytes_per_gpu(shape, rtp)
     return _Work(
-        peak=peak, hbm=hbm, train_tok_at_peak_s=train_tok, opt_bytes=32 * owned, dp_bytes=dp_bytes,
+        peak=peak, hbm=hbm, train_tok_at_peak_s=train_tok, tp_bytes_tok=tp_bytes, opt_bytes=32 * owned, dp_bytes=dp_bytes,
         dp_link=(g.nvlink_gb_s if one_node else g.ib_gb_s_per_gpu) * 1e9,
         read_bytes=n_mm * PARAM_BYTES / rtp, kv_bytes=kv, flops_seq=2 * n_mm / rtp,
         kv_pool=max(g.memory_gb * 1e9 * mem_fraction_static - weights / rtp, 0.0), weight_bytes=weights,
@@ -289,13 +295,14 @@ def from_hardware(shape, params: int, layout: Layout, gpu: Gpu | str, *, micro_b
               gpus_per_node=gpus_per_node, use_distributed_optimizer=use_distributed_optimizer,
               grad_bytes=grad_bytes)
     train_tok = w.train_tok_at_peak_s / eff["mfu"]
+    tp_comm = w.tp_bytes_tok / (g.nvlink_gb_s * 1e9 * eff["link"])  # not overlapped (no tp_comm_overlap)
     hbm = w.hbm * eff["hbm"]
     rtp = layout.rollout_tp
     return Costs(
         train_fixed_s=eff["train_fixed_s"],
         train_per_update_s=w.opt_bytes / hbm + w.dp_bytes / (w.dp_link * eff["link"]),
-        train_per_token_s=train_tok,
-        logprob_per_token_s=train_tok / 3,
+        train_per_token_s=train_tok + tp_comm,
+        logprob_per_token_s=train_tok / 3 + tp_comm / 2,  # forward only: a third of the FLOPs, half the traffic
         decode_fixed_s=eff["decode_fixed_s"] + _tp_comm(shape, rtp, eff["tp_allreduce_s"]),
         decode_per_seq_s=w.flops_seq / (w.peak * eff["decode_compute"]),
         decode_per_kv_s=w.kv_bytes / hbm,
@@ -322,10 +329,11 @@ def efficiency_of(costs: Costs, shape, params: int, layout: Layout, gpu: Gpu | s
               mem_fraction_static=0.0, same_node_sync=same_node_sync, fp8=fp8, gpus_per_node=gpus_per_node,
               use_distributed_optimizer=use_distributed_optimizer, grad_bytes=grad_bytes)
     out = {"train_fixed_s": costs.train_fixed_s}
-    if costs.train_per_token_s > 0:
-        out["mfu"] = w.train_tok_at_peak_s / costs.train_per_token_s
     if costs.sync_s() > EFFICIENCY["sync_fixed_s"]:
         out["link"] = w.weight_bytes / (w.sync_link * (costs.sync_s() - EFFICIENCY["sync_fixed_s"]))
+    tp_comm = w.tp_bytes_tok / (g.nvlink_gb_s * 1e9 * out.get("link", EFFICIENCY["link"]))
+    if costs.train_per_token_s > tp_comm:
+        out["mfu"] = w.train_tok_at_peak_s / (costs.train_per_token_s - tp_comm)
     if has_engine and costs.decode_per_kv_s > 0:
         hbm = w.kv_bytes / (w.hbm * costs.decode_per_kv_s)
         in_fixed = 0.0 if costs.decode_roofline or costs.decode_weights_s > 0 else w.read_bytes / (w.hbm * hbm)

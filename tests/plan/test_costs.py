@@ -168,8 +168,10 @@ def test_fp8_runs_the_decoder_layers_matmuls_at_the_fp8_peak():
     saved = 6 * layers_mm * (1 / PEAK - 1 / 1979e12) / (8 * EFF["mfu"])
     assert bf16.train_per_token_s - fp8.train_per_token_s == pytest.approx(saved, rel=1e-9)
     # per token, in BF16-equivalent parameters: layers 6.95 G at half cost, output layer 0.62 G and attention
-    # at 2000 tokens of context 0.29 G at full: 4.39 of 7.86, not a half
-    assert fp8.train_per_token_s / bf16.train_per_token_s == pytest.approx(0.558, abs=0.001)
+    # at 2000 tokens of context 0.29 G at full: 4.39 of 7.86, not a half (at TP 1: no TP traffic beside it)
+    tp1 = Layout(1, 1, 8, 1, 1)
+    ratio = costs(lay=tp1, ctx=2000, fp8=True).train_per_token_s / costs(lay=tp1, ctx=2000).train_per_token_s
+    assert ratio == pytest.approx(0.558, abs=0.001)
     assert fp8.decode_per_seq_s == bf16.decode_per_seq_s  # the servers decode in BF16 either way
     with pytest.raises(ValueError, match="model.fp8"):
         costs(gpu="a100", fp8=True)
@@ -196,3 +198,22 @@ def test_data_parallel_gradient_reduce():
     # gradients reduced in bf16 (grad_reduce_in_fp32=False) move half the gradient bytes
     half = 3 / 4 * rank * (2 + 2) / (450e9 * EFF["link"])
     assert costs(lay=Layout(2, 1, 4, 1, 1), grad_bytes=2).train_per_update_s == pytest.approx(opt / 8 + half)
+
+
+# ------------------------------------------------------------------------------------------ tensor-parallel traffic
+
+def test_training_pays_tensor_parallel_traffic_per_token():
+    """8 collectives per layer (around attention and the MLP, forward and backward), (TP - 1) / TP of hidden x 2
+    bytes each per rank, over NVLink per direction at the link efficiency, per stage of layers / PP, for the
+    1 / DP of the tokens a replica sees; none at TP 1. Qwen3-8B (36 layers, hidden 4096)."""
+    per_token = 36 * 8 * 4096 * 2  # bytes of one token's activations through all the layers' collectives
+    base = costs(lay=Layout(1, 1, 8, 1, 1)).train_per_token_s
+    for tp, pp, dp in ((2, 1, 4), (8, 1, 1), (4, 2, 1)):
+        c = costs(lay=Layout(tp, pp, dp, 1, 1))
+        comm = per_token / pp * (tp - 1) / tp / dp / (450e9 * EFF["link"]) * pp  # bubble: 1 micro-batch
+        compute = base * 8 / (tp * pp * dp) * pp
+        assert c.train_per_token_s == pytest.approx(compute + comm, rel=1e-9)
+        assert c.logprob_per_token_s == pytest.approx(compute / 3 + comm / 2, rel=1e-9)
+    # at TP 8 on 8 GPUs the traffic adds about half the compute: wider TP is not free
+    tp8 = costs(lay=Layout(8, 1, 1, 1, 1)).train_per_token_s
+    assert 1.4 < tp8 / base < 1.7
