@@ -131,9 +131,9 @@ def plan(cfg: DictConfig, gpus: int, gpus_per_node: int = 8, gpu: str = "h100", 
     DP16 and TP4 x DP8 cost the same in the model) form one class, shown once: by the member that passes the
     config's validation with the least memory. Classes are simulated in the order of their upper bound
     (plan/bound.py), each over `seeds` seeds of `steps` measured steps after the warm-up; once `top` are
-    simulated, a class whose bound (raised by its sampling margin) is below the `top`-th best mean cannot enter
-    the table and is pruned with all that follow (`exhaustive`: none is). The table is ranked by mean tokens/s;
-    the classes not separable from the best (means within two standard errors) come first, least memory first."""
+    simulated, a class whose bound (raised by its sampling margin) is below the `top`-th best row's mean cannot
+    enter the table and is pruned with all that follow (`exhaustive`: none is). The table's rows and ties are
+    `_rank`'s."""
     from m2po_megatron.config import model_hf_config
     from m2po_megatron.models.memory import model_shape, param_count
     from m2po_megatron.plan.bound import margin, upper_bound
@@ -178,7 +178,8 @@ def plan(cfg: DictConfig, gpus: int, gpus_per_node: int = 8, gpu: str = "h100", 
     i, pruned = 0, 0
     workers = _workers()
     while i < len(order):
-        kth = sorted((c.predicted["tokens_per_s"] for c in done), reverse=True)[top - 1] if len(done) >= top else 0.0
+        rows = _row_best(done)  # the table shows rows, so a class must beat the top-th row to enter it
+        kth = sorted(rows, reverse=True)[top - 1] if len(rows) >= top else 0.0
         if not exhaustive and bounds[order[i]] * (1 + margin(order[i][0], measured, seeds)) < kth:
             pruned = len(order) - i  # the order is by bound: every class after this one is bounded lower
             break
@@ -277,6 +278,20 @@ def _least_memory_of_ties(cands: list[Candidate]) -> tuple[list[Candidate], list
     return tied, [c for c in by_mean if id(c) not in ids]
 
 
+def _row_key(c: Candidate) -> tuple:
+    lay = c.layout
+    return lay.trainer_gpus, lay.rollout_tp, lay.num_servers, c.overrides.get("staleness.sync_interval")
+
+
+def _row_best(done: list[Candidate]) -> list[float]:
+    """The best mean tokens/s of each row of the table (a split, rollout layout and sync interval)."""
+    best: dict = {}
+    for c in done:
+        k = _row_key(c)
+        best[k] = max(best.get(k, 0.0), c.predicted["tokens_per_s"])
+    return list(best.values())
+
+
 def _rank(done: list[Candidate]) -> list[Candidate]:
     """One row per split of the cluster, rollout layout and sync interval: the trainer layouts of a row that
     are not separable from its best are one choice, shown by the one with the least memory, the others listed
@@ -284,9 +299,7 @@ def _rank(done: list[Candidate]) -> list[Candidate]:
     first, each marked `tied_with_best`."""
     rows: dict = {}
     for c in done:
-        lay = c.layout
-        rows.setdefault((lay.trainer_gpus, lay.rollout_tp, lay.num_servers,
-                         c.overrides.get("staleness.sync_interval")), []).append(c)
+        rows.setdefault(_row_key(c), []).append(c)
     reps = []
     for members in rows.values():
         tied, _ = _least_memory_of_ties(members)

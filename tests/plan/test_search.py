@@ -77,7 +77,7 @@ ASYNC = ["staleness.mode=bounded", "staleness.lag_steps=0", "staleness.behav_log
 
 
 @pytest.mark.parametrize("recipe,gpus,per_node,mode,prunes", [
-    ("qwen3-8b-base", 16, 4, [], True), ("qwen3-8b-base", 16, 4, ASYNC, False), ("qwen3-8b-base", 24, 8, ASYNC, True),
+    ("qwen3-8b-base", 16, 4, [], False), ("qwen3-8b-base", 16, 4, ASYNC, False), ("qwen3-8b-base", 24, 8, ASYNC, True),
     ("qwen3-1.7b-base", 8, 8, [], True)])  # the last: one node split between trainer and servers
 def test_the_search_finds_what_brute_force_finds(recipe, gpus, per_node, mode, prunes):
     """The pruned search against simulating every layout (same seeds, so a layout's prediction is the same in
