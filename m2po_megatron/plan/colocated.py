@@ -20,20 +20,16 @@ This project's runtime does not run colocated layouts (its trainer ranks and ser
 plan prices one to show what it would give, and says so."""
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from m2po_megatron.plan.costs import Layout, from_hardware
+from m2po_megatron.plan.costs import Layout
 from m2po_megatron.plan.hardware import EFFICIENCY, GPUS
 from m2po_megatron.plan.sim import LengthDist
 
 __all__ = ["colocated", "swap_s"]
-
-_SIZES = (1, 2, 4, 8)
-
 
 def swap_s(state_gib: float, gpu: str, efficiency: Optional[dict] = None) -> float:
     """Seconds per step to move `state_gib` GiB of trainer state to the host and back over PCIe."""
@@ -49,7 +45,8 @@ def colocated(cfg: DictConfig, gpus: int, gpus_per_node: int, gpu: str, *, seeds
     the shortest, then the least memory; each rollout TP is simulated."""
     from m2po_megatron.config import model_hf_config
     from m2po_megatron.models.memory import model_shape, param_count
-    from m2po_megatron.plan.search import Candidate, _mean_of, _simulate_all, spec_from_config, trainer_memory
+    from m2po_megatron.plan.search import (SIZES, Candidate, _mean_of, _simulate_all, layout_costs, spec_from_config,
+                                           trainer_memory)
 
     mode = cfg.staleness.mode if cfg.staleness.mode in ("on_policy", "fixed_lag") else "on_policy"
     c = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"staleness.mode={mode}"]))
@@ -58,29 +55,27 @@ def colocated(cfg: DictConfig, gpus: int, gpus_per_node: int, gpu: str, *, seeds
     mem_gb = GPUS[gpu].memory_gb * 1e9 / 2**30
     heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
     probe = spec_from_config(c, num_servers=1, response=response, prompt_len=prompt_len)
-    ctx = probe.prompt_len + probe.response.mean
-    step_tokens = probe.groups_per_step * probe.n * ctx
+    step_tokens = probe.groups_per_step * probe.n * (probe.prompt_len + probe.response.mean)
     best_trainer = None
-    for tp in _SIZES:
-        for pp in _SIZES:
+    for tp in SIZES:
+        for pp in SIZES:
             if tp > gpus_per_node or heads % tp or layers % pp or gpus % (tp * pp):
                 continue
             lay = Layout(tp, pp, gpus // (tp * pp), 1, gpus)
             est = trainer_memory(c, hf, lay)
             if est is None or est["total"] > mem_gb:
                 continue
-            mbs = max(1, math.ceil(step_tokens / probe.updates_per_step / lay.dp / c.train.micro_batch_tokens))
-            costs = _costs(c, shape, params, lay, gpu, mbs, ctx, gpus_per_node, efficiency)
+            costs = layout_costs(c, shape, params, lay, gpu, probe, gpus_per_node, efficiency, same_node_sync=True)
             swap = swap_s(est["weights"] + est["grads"] + est["optimizer"], gpu, efficiency)
             t = costs.train_s(step_tokens, probe.updates_per_step, probe.logprob_pass) + swap
             key = (round(t, 3), est["total"])
             if best_trainer is None or key < best_trainer[0]:
-                best_trainer = (key, lay, est, mbs, swap)
+                best_trainer = (key, lay, est, swap)
     if best_trainer is None:
         return None
-    _, tlay, est, mbs, swap = best_trainer
+    _, tlay, est, swap = best_trainer
     cands = []
-    for rtp in _SIZES:
+    for rtp in SIZES:
         if rtp > gpus_per_node or heads % rtp or gpus % rtp:
             continue
         lay = Layout(tlay.tp, tlay.pp, tlay.dp, rtp, gpus // rtp)
@@ -88,7 +83,8 @@ def colocated(cfg: DictConfig, gpus: int, gpus_per_node: int, gpu: str, *, seeds
                                "parallel.pipeline_model_parallel_size": lay.pp, "parallel.data_parallel_size": lay.dp,
                                "rollout.tp_size": rtp, "rollout.num_servers": lay.num_servers}, est["total"])
         cand.spec = spec_from_config(c, num_servers=lay.num_servers, response=response, prompt_len=prompt_len)
-        base = _costs(c, shape, params, lay, gpu, mbs, ctx, gpus_per_node, efficiency)
+        # the weights reach the engine in place: the sync's NVLink path
+        base = layout_costs(c, shape, params, lay, gpu, cand.spec, gpus_per_node, efficiency, same_node_sync=True)
         cand.costs = replace(base, loop_fixed_s=base.loop_fixed_s + swap,
                              source=base.source + f"; colocated, {swap:.2f} s of memory swap per step")
         cand.predicted["swap_s"] = swap
@@ -98,10 +94,3 @@ def colocated(cfg: DictConfig, gpus: int, gpus_per_node: int, gpu: str, *, seeds
         cand.predicted["sync_s"] = cand.costs.sync_s()
     return max(cands, key=lambda x: x.predicted["tokens_per_s"]) if cands else None
 
-
-def _costs(c: DictConfig, shape, params: int, lay: Layout, gpu: str, mbs: int, ctx: float, gpus_per_node: int,
-           efficiency: Optional[dict]):
-    return from_hardware(shape, params, lay, gpu, micro_batches=mbs, mean_context=ctx,
-                         mem_fraction_static=c.rollout.mem_fraction_static, efficiency=efficiency,
-                         same_node_sync=True, fp8=bool(c.model.fp8), gpus_per_node=gpus_per_node,
-                         use_distributed_optimizer=c.parallel.use_distributed_optimizer)

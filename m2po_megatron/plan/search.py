@@ -162,17 +162,12 @@ def plan(cfg: DictConfig, gpus: int, gpus_per_node: int = 8, gpu: str = "h100", 
         c = Candidate(lay, {**ov, "cluster.gpu_memory_gb": mem_gb}, est["total"])
         c.spec = spec_from_config(cfg, num_servers=lay.num_servers, response=response, prompt_len=prompt_len,
                                   sync_interval=ov.get("staleness.sync_interval"))
-        ctx = c.spec.prompt_len + c.spec.response.mean
-        tokens_update = c.spec.groups_per_step * c.spec.n * ctx / c.spec.updates_per_step
-        mbs = max(1, math.ceil(tokens_update / lay.dp / cfg.train.micro_batch_tokens))
         # on one node the servers share the trainer's node: the weights go over NVLink
-        c.costs = from_hardware(shape, params, lay, gpu, micro_batches=mbs, mean_context=ctx,
-                                mem_fraction_static=cfg.rollout.mem_fraction_static, efficiency=efficiency,
-                                same_node_sync=gpus <= gpus_per_node, fp8=bool(cfg.model.fp8),
-                                gpus_per_node=gpus_per_node, use_distributed_optimizer=p.use_distributed_optimizer)
+        c.costs = layout_costs(cfg, shape, params, lay, gpu, c.spec, gpus_per_node, efficiency,
+                               same_node_sync=gpus <= gpus_per_node)
         classes.setdefault((c.spec, c.costs), []).append(c)
-    order = sorted(classes, key=lambda k: -upper_bound(k[0], k[1], measured))
-    bounds = {k: upper_bound(k[0], k[1], measured) for k in order}
+    bounds = {k: upper_bound(k[0], k[1], measured) for k in classes}
+    order = sorted(classes, key=lambda k: -bounds[k])
     skipped: dict = {}
     done: list[Candidate] = []
     i, pruned = 0, 0
@@ -216,6 +211,19 @@ def trainer_memory(cfg: DictConfig, hf: dict, lay: Layout) -> Optional[dict]:
                                    recompute=p.recompute_granularity, context_parallel_size=p.context_parallel_size)
     except ValueError:
         return None
+
+
+def layout_costs(cfg: DictConfig, shape, params: int, lay: Layout, gpu: str, spec: SimSpec, gpus_per_node: int,
+                 efficiency: Optional[dict], *, same_node_sync: bool) -> Costs:
+    """The hardware costs of `lay` for the recipe, its micro-batches per update counted from `spec`'s mean
+    sequence (prompt plus the assumed mean response)."""
+    ctx = spec.prompt_len + spec.response.mean
+    tokens_update = spec.groups_per_step * spec.n * ctx / spec.updates_per_step
+    mbs = max(1, math.ceil(tokens_update / lay.dp / cfg.train.micro_batch_tokens))
+    return from_hardware(shape, params, lay, gpu, micro_batches=mbs, mean_context=ctx,
+                         mem_fraction_static=cfg.rollout.mem_fraction_static, efficiency=efficiency,
+                         same_node_sync=same_node_sync, fp8=bool(cfg.model.fp8), gpus_per_node=gpus_per_node,
+                         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
 
 
 MEASURED_STEPS = 8  # per seed, after the warm-up: with 3 seeds, a mean over 24 steps
