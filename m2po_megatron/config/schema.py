@@ -32,6 +32,9 @@ class ModelSection:
     params_dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16
     fp8: Optional[str] = None  # null | e4m3 | hybrid (Transformer Engine only)
     fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise | mxfp8
+    # MoE models only: the weight of megatron-core's load-balancing (aux) loss. 0 (the default) trains the RL
+    # objective alone; the HF config's router_aux_loss_coef (0.001 for Qwen3-MoE) keeps pre-training's term.
+    moe_aux_loss_coeff: float = 0.0
     # auto (te where Transformer Engine is usable, else sdpa) | te | sdpa (FlexAttention per packed row on
     # CUDA, fused SDPA per sequence elsewhere) | local (megatron's dense-mask attention: S x S scores per layer)
     attention_backend: str = "auto"
@@ -44,6 +47,11 @@ class ParallelSection:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
     data_parallel_size: int = 1
+    # MoE models only: experts split over this many ranks (megatron-core's EP; it divides num_experts and the
+    # ranks of a pipeline stage), and each expert's matrices over expert_tensor_parallel_size ranks
+    # (null: tensor_model_parallel_size, megatron-core's default)
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
     # Megatron's activation recompute: null | selective (core attention) | full (whole layers)
@@ -98,6 +106,9 @@ class AlgoSection:
     norm_adv_by_std: bool = True
     adv_eps: float = 1e-6
     dual_clip_c: Optional[float] = None  # e.g. 3.0; bounds A<0 tokens with huge ratios, any loss
+    # MoE models only (verl's names): none | r2 (replay the experts the trainer chose when it computed the old
+    # log-probs) | r3 (replay the experts the rollout engine chose, recorded per response token)
+    routing_replay: str = "none"
     m2po: M2POSection = field(default_factory=M2POSection)
     grpo: ClipSection = field(default_factory=ClipSection)
     gspo: GSPOSection = field(default_factory=GSPOSection)

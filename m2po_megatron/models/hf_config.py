@@ -1,7 +1,8 @@
 """Reading a Hugging Face causal-LM config into the few facts the Megatron side needs (pure Python).
 
 Supported: Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`), Qwen3 (`Qwen3ForCausalLM`, q/k RMSNorm, head_dim may differ
-from hidden/heads), Llama 3 / 3.1 / 3.2 (`LlamaForCausalLM`, optional `llama3` RoPE scaling); tied or untied
+from hidden/heads), Qwen3-MoE (`Qwen3MoeForCausalLM`: every layer's MLP a top-k router over SwiGLU experts, no
+shared expert), Llama 3 / 3.1 / 3.2 (`LlamaForCausalLM`, optional `llama3` RoPE scaling); tied or untied
 embeddings; grouped-query attention. Anything else raises UnsupportedModelError listing what is supported."""
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from typing import Any, Mapping
 SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "LlamaForCausalLM": "llama",
 }
-SUPPORTED_MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}
+SUPPORTED_MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "llama": "llama"}
 
 
 class UnsupportedModelError(ValueError):
@@ -23,15 +25,16 @@ class UnsupportedModelError(ValueError):
 
 
 def supported_text() -> str:
-    return ("supported: Qwen2/Qwen2.5 (Qwen2ForCausalLM), Qwen3 (Qwen3ForCausalLM), "
-            "Llama 3/3.1/3.2 (LlamaForCausalLM, rope_type default or llama3); dense, SiLU-gated MLP, RMSNorm")
+    return ("supported: Qwen2/Qwen2.5 (Qwen2ForCausalLM), Qwen3 (Qwen3ForCausalLM), Qwen3-MoE "
+            "(Qwen3MoeForCausalLM, every layer sparse), Llama 3/3.1/3.2 (LlamaForCausalLM, rope_type default or "
+            "llama3); SiLU-gated MLP, RMSNorm")
 
 
 @dataclasses.dataclass(frozen=True)
 class HFModelSpec:
     """The HF facts that decide the Megatron architecture and the weight layout."""
 
-    family: str  # 'qwen2' | 'qwen3' | 'llama'
+    family: str  # 'qwen2' | 'qwen3' | 'qwen3_moe' | 'llama'
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -48,10 +51,22 @@ class HFModelSpec:
     qk_norm: bool
     # llama3 RoPE scaling parameters, or None for plain RoPE
     rope_scaling: Mapping[str, float] | None = None
+    # Mixture of experts (0 experts: a dense model). Every layer's MLP is `num_experts` SwiGLU experts of
+    # `moe_intermediate_size`, `num_experts_per_tok` chosen per token by a linear router: softmax over all
+    # experts, top-k, and (norm_topk_prob) the k weights renormalised to sum to 1.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
 
     @property
     def queries_per_group(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 def load_hf_config_dict(source: Any) -> dict:
@@ -126,8 +141,9 @@ def read_hf_config(source: Any) -> HFModelSpec:
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu); " + supported_text())
     if heads % kv:
         raise UnsupportedModelError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
-    if d.get("num_experts") or d.get("num_local_experts"):
-        raise UnsupportedModelError("mixture-of-experts models are not supported; " + supported_text())
+    moe = _moe(d) if family == "qwen3_moe" else {}
+    if not moe and (d.get("num_experts") or d.get("num_local_experts")):
+        raise UnsupportedModelError(f"mixture-of-experts {arch} is not supported; " + supported_text())
     if d.get("use_sliding_window"):
         raise UnsupportedModelError("use_sliding_window=true is not supported (Megatron local attention is global)")
     if d.get("mlp_bias"):
@@ -144,4 +160,27 @@ def read_hf_config(source: Any) -> HFModelSpec:
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta,
         max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
-        qk_norm=(family == "qwen3"), rope_scaling=rope_scaling)
+        qk_norm=family in ("qwen3", "qwen3_moe"), rope_scaling=rope_scaling, **moe)
+
+
+def _moe(d: dict) -> dict:
+    """The MoE fields of a Qwen3-MoE config, checked: every layer sparse, top-k within the experts."""
+    def need(key):
+        if d.get(key) is None:
+            raise UnsupportedModelError(f"HF config field {key!r} is missing (needed by Qwen3MoeForCausalLM)")
+        return int(d[key])
+
+    n, k, ffn = need("num_experts"), need("num_experts_per_tok"), need("moe_intermediate_size")
+    if not 1 <= k <= n:
+        raise UnsupportedModelError(f"num_experts_per_tok = {k} must be between 1 and num_experts = {n}")
+    if d.get("mlp_only_layers"):
+        raise UnsupportedModelError(f"mlp_only_layers = {d['mlp_only_layers']}: dense layers inside a Qwen3-MoE "
+                                    "model are not supported (every layer must be sparse); use []")
+    if int(d.get("decoder_sparse_step", 1)) != 1:
+        raise UnsupportedModelError(f"decoder_sparse_step = {d['decoder_sparse_step']} is not supported "
+                                    "(every layer must be sparse); use 1")
+    if d.get("shared_expert_intermediate_size"):
+        raise UnsupportedModelError("shared experts (shared_expert_intermediate_size) are not supported")
+    return dict(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=ffn,
+                norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+                router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.0) or 0.0))
