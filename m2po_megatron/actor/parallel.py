@@ -12,7 +12,8 @@ from m2po_megatron.infra.device import dist_backend, has_cuda, select_gpu
 
 def check_parallel_sizes(world_size: int, tensor_model_parallel_size: int = 1,
                          pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1,
-                         virtual_pipeline_model_parallel_size: int | None = None) -> int:
+                         virtual_pipeline_model_parallel_size: int | None = None,
+                         expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None) -> int:
     """Validate the layout; returns the data-parallel size. Pure arithmetic, no distributed state."""
     for name, v in (("tensor_model_parallel_size", tensor_model_parallel_size),
                     ("pipeline_model_parallel_size", pipeline_model_parallel_size),
@@ -31,12 +32,20 @@ def check_parallel_sizes(world_size: int, tensor_model_parallel_size: int = 1,
             raise ValueError("virtual_pipeline_model_parallel_size must be >= 1 or None")
         if virtual_pipeline_model_parallel_size > 1 and pipeline_model_parallel_size < 2:
             raise ValueError("virtual_pipeline_model_parallel_size > 1 needs pipeline_model_parallel_size >= 2")
+    expert = expert_model_parallel_size * (expert_tensor_parallel_size or tensor_model_parallel_size)
+    stage = world_size // pipeline_model_parallel_size
+    if expert_model_parallel_size < 1 or (expert_tensor_parallel_size or 1) < 1:
+        raise ValueError("expert_model_parallel_size and expert_tensor_parallel_size must be >= 1")
+    if stage % expert:
+        raise ValueError(f"the {stage} ranks of a pipeline stage are not divisible by expert_tensor_parallel_size x "
+                         f"expert_model_parallel_size = {expert}; choose expert sizes whose product divides them")
     return world_size // model_parallel
 
 
 def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                      virtual_pipeline_model_parallel_size: int | None = None, context_parallel_size: int = 1,
-                     seed: int = 1234, timeout_s: float = 1800.0) -> int:
+                     seed: int = 1234, timeout_s: float = 1800.0, expert_model_parallel_size: int = 1,
+                     expert_tensor_parallel_size: int | None = None) -> int:
     """Initialize torch.distributed (if not yet) and Megatron's parallel state; returns the data-parallel size.
 
     Environment: RANK, WORLD_SIZE (default 0/1), MASTER_ADDR (default 127.0.0.1), MASTER_PORT (required when
@@ -49,7 +58,8 @@ def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_paralle
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dp = check_parallel_sizes(world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
-                              context_parallel_size, virtual_pipeline_model_parallel_size)
+                              context_parallel_size, virtual_pipeline_model_parallel_size,
+                              expert_model_parallel_size, expert_tensor_parallel_size)
     if has_cuda():
         select_gpu(int(os.environ.get("LOCAL_RANK", "0")))
     else:
@@ -81,6 +91,8 @@ def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_paralle
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
     )
     torch.manual_seed(seed)

@@ -90,13 +90,19 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype=None, tensor_mode
                                virtual_pipeline_model_parallel_size: int | None = None,
                                context_parallel_size: int | None = None, sequence_parallel: bool = False,
                                pipeline_dtype=None, fp8: str | None = None, fp8_recipe: str | None = None,
-                               **overrides):
+                               expert_model_parallel_size: int | None = None,
+                               expert_tensor_parallel_size: int | None = None, moe_aux_loss_coeff: float = 0.0,
+                               routing_replay: bool = False, **overrides):
     """Megatron TransformerConfig for a supported HF model.
 
     hf_config: directory, config.json path, dict, PretrainedConfig or HFModelSpec. Parallel sizes default to
     Megatron's initialized parallel state (or 1). params_dtype defaults to bf16 with CUDA, fp32 on CPU.
     pipeline_dtype defaults to params_dtype. `overrides` are passed to TransformerConfig unchanged (e.g.
-    recompute_granularity, hidden_dropout)."""
+    recompute_granularity, hidden_dropout).
+
+    MoE models (Qwen3-MoE): expert sizes default to the parallel state's (or 1, and ETP = TP, megatron-core's
+    default); moe_aux_loss_coeff > 0 adds megatron's load-balancing loss; routing_replay builds each router with
+    a megatron RouterReplay (record / replay of its top-k, actor/routing_replay.py)."""
     import torch
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
@@ -110,7 +116,9 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype=None, tensor_mode
     if virtual_pipeline_model_parallel_size is None and init:
         virtual_pipeline_model_parallel_size = ps.get_virtual_pipeline_model_parallel_world_size()
     vpp = virtual_pipeline_model_parallel_size if (virtual_pipeline_model_parallel_size or 1) > 1 else None
-    validate_layout(spec, tp, pp, vpp)
+    ep = expert_model_parallel_size or (ps.get_expert_model_parallel_world_size() if init else 1)
+    etp = expert_tensor_parallel_size or (ps.get_expert_tensor_parallel_world_size() if init else None) or tp
+    validate_layout(spec, tp, pp, vpp, ep=ep, etp=etp)
     validate_fp8(fp8, fp8_recipe)
     dtype = _dtype(params_dtype) or (torch.bfloat16 if has_cuda() else torch.float32)
     cuda = has_cuda()
@@ -132,10 +140,35 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype=None, tensor_mode
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True, use_cpu_initialization=not cuda,
     )
+    if spec.is_moe:
+        kwargs.update(moe_kwargs(spec, ep=ep, etp=etp, aux_loss_coeff=moe_aux_loss_coeff,
+                                 routing_replay=routing_replay, grouped_gemm=te_available()))
     kwargs.update(overrides)
     if kwargs["fp8"] is None:
         kwargs.pop("fp8_recipe")
     return TransformerConfig(**kwargs)
+
+
+def moe_kwargs(spec: HFModelSpec, *, ep: int, etp: int, aux_loss_coeff: float = 0.0, routing_replay: bool = False,
+               grouped_gemm: bool = False) -> dict:
+    """TransformerConfig's MoE fields for a Qwen3-MoE spec. HF's router: softmax over all experts (fp32), top-k,
+    then (norm_topk_prob) renormalise the k weights. Megatron's softmax router with pre_softmax=False takes the
+    top-k logits and softmaxes them, the same k weights; pre_softmax=True is HF's norm_topk_prob=False."""
+    if aux_loss_coeff < 0:
+        raise ValueError(f"moe_aux_loss_coeff = {aux_loss_coeff} must be >= 0")
+    return dict(
+        num_moe_experts=spec.num_experts, moe_router_topk=spec.num_experts_per_tok,
+        moe_ffn_hidden_size=spec.moe_intermediate_size, moe_router_score_function="softmax",
+        moe_router_pre_softmax=not spec.norm_topk_prob, moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=float(aux_loss_coeff),
+        # alltoall sends each token to the EP ranks of its experts only; allgather gives every EP rank all
+        # tokens (the one that runs over gloo on CPU, where all_to_all is missing)
+        moe_token_dispatcher_type="alltoall" if has_cuda() else "allgather",
+        moe_grouped_gemm=grouped_gemm, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        moe_enable_routing_replay=bool(routing_replay),
+        # Qwen3-MoE has no capacity limit: every token reaches its k experts (no token dropping)
+        moe_expert_capacity_factor=None, moe_permute_fusion=False)
 
 
 ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local")
@@ -182,10 +215,13 @@ def layer_spec(spec: HFModelSpec, attention_backend: str | None = None):
     from m2po_megatron.models import attention
 
     backend = resolve_attention_backend(attention_backend)
+    experts = spec.num_experts or None
     if backend == "te":
-        te = s.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+        te = s.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=bool(experts),
+                                                          qk_layernorm=spec.qk_norm)
         return _with_core_attention(te, attention.te_packed_core_attention())
-    local = s.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    # megatron's local spec runs experts as a SequentialMLP (one MLP per local expert)
+    local = s.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=spec.qk_norm, normalization="RMSNorm")
     if backend == "local":
         return local
     return _with_core_attention(local, attention.PackedSDPAttention)

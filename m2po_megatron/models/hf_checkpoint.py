@@ -142,6 +142,18 @@ def _dir_source(path: str) -> HFTensorSource:
                           config=cfg if os.path.isfile(cfg) else None, close=close)
 
 
+def on_disk_state_dict(model: torch.nn.Module) -> dict:
+    """A transformers model's tensors under its checkpoint names. transformers 5 keeps some weights in another
+    layout in memory than on disk (Qwen3-MoE's experts fused into [E, 2F, H] / [E, H, F]); its own
+    `revert_weight_conversion`, which save_pretrained runs, gives them back per expert."""
+    sd = model.state_dict()
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: memory and disk agree
+        return sd
+    return revert_weight_conversion(model, sd) if hasattr(model, "config") else sd
+
+
 def open_hf_source(source: Any) -> HFTensorSource:
     """A tensor source from a directory of safetensors, a transformers model, or a {name: tensor} mapping."""
     if isinstance(source, HFTensorSource):
@@ -149,7 +161,7 @@ def open_hf_source(source: Any) -> HFTensorSource:
     if isinstance(source, (str, os.PathLike)):
         return _dir_source(os.fspath(source))
     if isinstance(source, torch.nn.Module):
-        sd = source.state_dict()
+        sd = on_disk_state_dict(source)
         cfg = getattr(source, "config", None)
         return HFTensorSource({k: tuple(v.shape) for k, v in sd.items()}, sd.__getitem__, config=cfg)
     if isinstance(source, Mapping):

@@ -170,6 +170,8 @@ def _moe(d: dict) -> dict:
             raise UnsupportedModelError(f"HF config field {key!r} is missing (needed by Qwen3MoeForCausalLM)")
         return int(d[key])
 
+    if d.get("num_experts") is None and d.get("num_local_experts") is not None:
+        d = {**d, "num_experts": d["num_local_experts"]}  # transformers 5 saves Qwen3-MoE's num_experts so
     n, k, ffn = need("num_experts"), need("num_experts_per_tok"), need("moe_intermediate_size")
     if not 1 <= k <= n:
         raise UnsupportedModelError(f"num_experts_per_tok = {k} must be between 1 and num_experts = {n}")

@@ -9,7 +9,11 @@ Tensor-parallel layouts (ng = KV heads, qpg = heads / ng, hd = head_dim, H = hid
   fc1      linear_fc1 rank r holds cat([gate.chunk(tp)[r], up.chunk(tp)[r]])
   column   split dim 0 (embedding and output layer: vocab rows)
   row      split dim 1 (linear_proj, linear_fc2)
-  replicated  norms, q/k norms
+  replicated  norms, q/k norms, the MoE router
+Mixture of experts (Qwen3-MoE): expert e of layer i is `decoder.layers.{i}.mlp.experts.local_experts.{e}.` with
+e the *global* expert index (megatron's SequentialMLP names; TEGroupedMLP's `mlp.experts.linear_fc1.weight{e}` is
+accepted too). Expert rules are `fc1` / `row` over the expert-tensor-parallel ranks (Rule.expert); which
+experts a rank holds is expert parallelism's business (models.loading.global_named_parameters).
 """
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ import torch
 from m2po_megatron.models.hf_config import HFModelSpec
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# An expert's parameter, in SequentialMLP's (local_experts.{e}.linear_fc1.weight) or TEGroupedMLP's
+# (linear_fc1.weight{e}) form.
+EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
 # TE fuses the pre-attention / pre-MLP norms into the following linear; same tensor, other name.
 TE_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -36,6 +43,7 @@ class Rule:
     megatron: str
     hf: tuple[str, ...]
     kind: str  # 'qkv' | 'qkv_bias' | 'fc1' | 'column' | 'row' | 'replicated'
+    expert: bool = False  # split over the expert-tensor-parallel ranks instead of the tensor-parallel ones
 
 
 def layer_rules(spec: HFModelSpec) -> list[Rule]:
@@ -55,10 +63,23 @@ def layer_rules(spec: HFModelSpec) -> list[Rule]:
     rules += [
         Rule("self_attention.linear_proj.weight", (p + "self_attn.o_proj.weight",), "row"),
         Rule("pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",), "replicated"),
-        Rule("mlp.linear_fc1.weight", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "fc1"),
-        Rule("mlp.linear_fc2.weight", (p + "mlp.down_proj.weight",), "row"),
     ]
+    if spec.is_moe:
+        rules.append(Rule("mlp.router.weight", (p + "mlp.gate.weight",), "replicated"))
+        for e in range(spec.num_experts):
+            rules += expert_rules(e)
+    else:
+        rules += [Rule("mlp.linear_fc1.weight", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "fc1"),
+                  Rule("mlp.linear_fc2.weight", (p + "mlp.down_proj.weight",), "row")]
     return rules
+
+
+def expert_rules(e: int) -> list[Rule]:
+    """The two rules of (global) expert e of a layer."""
+    p = f"model.layers.{{i}}.mlp.experts.{e}."
+    m = f"mlp.experts.local_experts.{e}."
+    return [Rule(m + "linear_fc1.weight", (p + "gate_proj.weight", p + "up_proj.weight"), "fc1", expert=True),
+            Rule(m + "linear_fc2.weight", (p + "down_proj.weight",), "row", expert=True)]
 
 
 def global_rules(spec: HFModelSpec) -> list[Rule]:
@@ -75,6 +96,11 @@ def rule_for(spec: HFModelSpec, megatron_name: str) -> tuple[Rule, int | None]:
     m = _LAYER.match(megatron_name)
     if m:
         idx, rest = int(m.group(1)), TE_ALIASES.get(m.group(2), m.group(2))
+        x = EXPERT.match(rest) if spec.is_moe else None
+        if x:
+            e, fc = (int(x.group(1)), x.group(2)) if x.group(1) is not None else (int(x.group(4)), x.group(3))
+            if e < spec.num_experts:
+                return expert_rules(e)[0 if fc == "linear_fc1" else 1], idx
         for r in layer_rules(spec):
             if r.megatron == rest:
                 return r, idx
@@ -144,11 +170,14 @@ def expected_hf_shapes(spec: HFModelSpec) -> dict[str, tuple[int, ...]]:
     """Shape of every HF tensor, for validating a checkpoint before converting it."""
     H, hd, V, F = spec.hidden_size, spec.head_dim, spec.vocab_size, spec.intermediate_size
     nq, nkv = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
+    Fe = spec.moe_intermediate_size
     per = {"input_layernorm.weight": (H,), "self_attn.q_proj.weight": (nq, H), "self_attn.k_proj.weight": (nkv, H),
            "self_attn.v_proj.weight": (nkv, H), "self_attn.q_proj.bias": (nq,), "self_attn.k_proj.bias": (nkv,),
            "self_attn.v_proj.bias": (nkv,), "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
            "self_attn.o_proj.weight": (H, nq), "post_attention_layernorm.weight": (H,),
-           "mlp.gate_proj.weight": (F, H), "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F)}
+           "mlp.gate_proj.weight": (F, H), "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F),
+           "mlp.gate.weight": (spec.num_experts, H)}
+    expert = {"gate_proj.weight": (Fe, H), "up_proj.weight": (Fe, H), "down_proj.weight": (H, Fe)}
     out = {}
     for n in expected_hf_names(spec):
         if n in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -156,7 +185,8 @@ def expected_hf_shapes(spec: HFModelSpec) -> dict[str, tuple[int, ...]]:
         elif n == "model.norm.weight":
             out[n] = (H,)
         else:
-            out[n] = per[n.split(".", 3)[3]]
+            rest = n.split(".", 3)[3]
+            out[n] = expert[rest.split(".", 3)[3]] if rest.startswith("mlp.experts.") else per[rest]
     return out
 
 

@@ -66,10 +66,10 @@ class TrainerWorker(RankActorBase):
         fixed order) and broadcasts. The other tensor-parallel ranks of data-parallel replica 0 take part
         in the gathers of the export iterator; with pipeline parallelism each later stage's source rank
         relays its buckets to rank 0 (one bucket in flight at a time). Other replicas do nothing."""
-        from megatron.core import parallel_state as mpu
+        from m2po_megatron.convert.export import exports_weights
 
         self.export_kwargs = {"bucket_mb": bucket_mb}
-        self.exports = mpu.get_data_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0
+        self.exports = exports_weights(self.hf_config)  # replica 0, and with MoE every expert-DP-0 rank
         if int(os.environ.get("RANK", "0")) != 0:
             return False
         from m2po_megatron.infra.cluster import node_ip
@@ -97,7 +97,7 @@ class TrainerWorker(RankActorBase):
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
 
-        from m2po_megatron.convert.export import iter_hf_weight_buckets
+        from m2po_megatron.convert.export import is_source_rank, iter_hf_weight_buckets
 
         if not self.exports:
             return {}
@@ -111,10 +111,10 @@ class TrainerWorker(RankActorBase):
                 for _ in stream:  # let the peers finish their gathers and sends, then report
                     pass
                 raise
-        if mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_pipeline_model_parallel_rank() > 0:
+        if is_source_rank() and mpu.get_pipeline_model_parallel_rank() > 0:
             _send_buckets(buckets, dst=stages[0])
         else:
-            for _ in buckets:  # take part in the tensor-parallel gathers; the stage's source rank sends
+            for _ in buckets:  # take part in the gathers (TP, and expert TP/EP); the stage's source rank sends
                 pass
         return {}
 

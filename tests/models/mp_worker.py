@@ -1,7 +1,8 @@
 """One rank of the multi-process model tests: builds tiny HF models, loads them into Megatron at the requested
 TP/PP layout, runs the same tokens through both and writes the max |logits diff| per model to OUT/rank{R}.json.
 
-Usage (env RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): python mp_worker.py TP PP OUT name [name...]"""
+Usage (env RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): python mp_worker.py [--ep=N] TP PP OUT name [name...]
+(--ep: expert_model_parallel_size, for MoE models; every name must then be a MoE model)."""
 import json
 import os
 import sys
@@ -35,19 +36,22 @@ def forward_logits(model, ids, pos):
 
 
 def main():
-    tp, pp, out_dir, *names = sys.argv[1:]
+    args = sys.argv[1:]
+    ep = int(args.pop(0).split("=", 1)[1]) if args[0].startswith("--ep=") else 1
+    tp, pp, out_dir, *names = args
     torch.set_num_threads(1)
     from m2po_megatron import models
     from m2po_megatron.actor import parallel
     from tiny import make_hf_model, tiny_config
 
-    parallel.init_distributed(tensor_model_parallel_size=int(tp), pipeline_model_parallel_size=int(pp))
+    parallel.init_distributed(tensor_model_parallel_size=int(tp), pipeline_model_parallel_size=int(pp),
+                              expert_model_parallel_size=ep)
     results = {}
     for name in names:
         cfg = tiny_config(name)
         hf = make_hf_model(cfg, seed=1)
         tc = models.transformer_config_from_hf(cfg, pipeline_dtype=torch.float32)
-        m = models.build_gpt_model(cfg, tc)
+        m = models.build_gpt_model(cfg, tc).eval()  # eval: megatron refuses MoE x TP in training without SP
         models.load_hf_weights(m, hf)
         gen = torch.Generator().manual_seed(7)
         ids = torch.randint(0, cfg["vocab_size"], (2, 24), generator=gen)
@@ -57,6 +61,13 @@ def main():
             if logits is not None:
                 ref = hf(input_ids=ids).logits
                 results[name] = float((logits - ref).abs().max())
+        # The weight sync's export at this layout gives back the HF checkpoint's tensors (all ranks gather).
+        from m2po_megatron.convert.export import gather_hf_state_dict
+        from m2po_megatron.models.hf_checkpoint import on_disk_state_dict
+
+        got, want = gather_hf_state_dict(m, cfg), on_disk_state_dict(hf)
+        results["export:" + name] = (float(max((got[k] - want[k]).abs().max() for k in want))
+                                     if sorted(got) == sorted(want) else f"names differ: {sorted(set(got) ^ set(want))[:5]}")
     with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(results, f)
     parallel.destroy_distributed()

@@ -19,6 +19,15 @@ INLINE_QWEN2 = {
     "use_sliding_window": False, **TINY,
 }
 
+# A small Qwen3-MoE written here: 4 experts, top-2, every layer sparse.
+INLINE_QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu", "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float32", "attention_dropout": 0.0,
+    "use_sliding_window": False, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4,
+    "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.001, **TINY,
+}
+
 # name -> (bundled config dir, overrides on top of TINY)
 BUNDLED = {
     "qwen2_tied": ("Qwen__Qwen2.5-32B", {"tie_word_embeddings": True}),
@@ -34,6 +43,8 @@ BUNDLED = {
 def tiny_config(name: str, **extra) -> dict:
     if name == "qwen2_untied":
         d = dict(INLINE_QWEN2)
+    elif name == "qwen3_moe":
+        d = dict(INLINE_QWEN3_MOE)
     else:
         sub, over = BUNDLED[name]
         d = json.loads((CONFIGS / sub / "config.json").read_text())
