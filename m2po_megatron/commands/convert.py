@@ -16,6 +16,8 @@ def register(sub) -> None:
     h.add_argument("--out", required=True, help="output directory (the dist checkpoint; HF side files in OUT/hf)")
     h.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size of the conversion processes")
     h.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size of the conversion processes")
+    h.add_argument("--ep", type=int, default=1,
+                   help="expert_model_parallel_size of the conversion processes (MoE models; tp x pp x ep ranks)")
     h.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="stored dtype (default: the HF weights')")
     _common(h)
     h.set_defaults(func=run_hf_to_megatron)
@@ -62,6 +64,7 @@ def run_hf_to_megatron(args) -> int:
 
     try:
         hf_to_megatron(args.hf, args.out, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                       expert_model_parallel_size=args.ep,
                        dtype=args.dtype, overwrite=args.overwrite)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -137,21 +137,20 @@ def _hf_to_megatron_rank(hf_dir: str, out_tmp: str, dtype: torch.dtype) -> None:
     device and each tensor is made from the HF files only when the writer reaches it (convert.streaming), so memory
     holds one parameter at a time, not the model."""
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
 
     from m2po_megatron.convert.streaming import MaterializingTorchDistSave
-    from m2po_megatron.models.loading import global_named_parameters
+    from m2po_megatron.models.loading import global_named_parameters, shard_position
     from m2po_megatron.models.weights import to_megatron_shard
 
     spec = read_hf_config(hf_dir)
     model = _build_meta(spec, dtype)
     named = list(global_named_parameters(model))
     names = {id(p): name for name, p in named}
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     src = open_hf_source(hf_dir)  # validated once by the caller
 
     def materialize(meta_param: torch.Tensor) -> torch.Tensor:
         rule, layer = rule_for(spec, names[id(meta_param)])
+        tp_rank, tp_size = shard_position(rule)
         shard = to_megatron_shard(spec, rule, [src.get(h) for h in hf_names(rule, layer)], tp_rank, tp_size)
         return shard.to(dtype).contiguous()
 
@@ -162,12 +161,14 @@ def _hf_to_megatron_rank(hf_dir: str, out_tmp: str, dtype: torch.dtype) -> None:
         src.close()
 
 
-def _spawned_rank(rank: int, world: int, env: dict, tp: int, pp: int, hf_dir: str, out_tmp: str, dtype) -> None:
+def _spawned_rank(rank: int, world: int, env: dict, tp: int, pp: int, hf_dir: str, out_tmp: str, dtype,
+                  ep: int = 1) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), **env)
     torch.set_num_threads(1)
     from m2po_megatron.actor import parallel
 
-    parallel.init_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel.init_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              expert_model_parallel_size=ep)
     try:
         _hf_to_megatron_rank(hf_dir, out_tmp, dtype)
     finally:
@@ -175,22 +176,24 @@ def _spawned_rank(rank: int, world: int, env: dict, tp: int, pp: int, hf_dir: st
 
 
 def hf_to_megatron(hf_dir: str, out_dir: str, *, tensor_model_parallel_size: int = 1,
-                   pipeline_model_parallel_size: int = 1, dtype=None, overwrite: bool = False) -> str:
+                   pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1, dtype=None,
+                   overwrite: bool = False) -> str:
     """Convert an HF model directory (safetensors) into a Megatron dist checkpoint at out_dir (layout: module
-    docstring). The checkpoint loads at any TP/PP layout; tp/pp only choose how many local processes share the
-    work (each holds 1/(tp*pp) of the model). dtype defaults to the dtype of the HF weights. Validates
-    everything before writing; returns out_dir."""
+    docstring). The checkpoint loads at any TP/PP/EP layout; tp/pp/ep only choose how many local processes
+    share the work (tp x pp x ep of them; with ep > 1 the experts are split over the data-parallel ranks).
+    dtype defaults to the dtype of the HF weights. Validates everything before writing; returns out_dir."""
     spec = read_hf_config(hf_dir)
     src = open_hf_source(hf_dir)
     validate_hf_source(spec, src)
     from m2po_megatron.models.builder import validate_layout
 
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    validate_layout(spec, tp, pp)
+    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
+    world = tp * pp * ep
+    validate_layout(spec, tp, pp, ep=ep, world_size=world)
     dtype = parse_dtype(dtype) or src.get("model.embed_tokens.weight").dtype
     src.close()
     with _atomic_dir(out_dir, overwrite) as tmp:
-        if tp * pp == 1:
+        if world == 1:
             with _single_process_megatron():
                 _hf_to_megatron_rank(hf_dir, tmp, dtype)
         else:
@@ -198,12 +201,12 @@ def hf_to_megatron(hf_dir: str, out_dir: str, *, tensor_model_parallel_size: int
 
             store = serve_rendezvous("127.0.0.1")  # bound now; the ranks join it as clients
             env = rendezvous_env("127.0.0.1", store)
-            mp.start_processes(_spawned_rank, args=(tp * pp, env, tp, pp, os.path.abspath(hf_dir), tmp, dtype),
-                               nprocs=tp * pp, start_method="spawn")
+            mp.start_processes(_spawned_rank, args=(world, env, tp, pp, os.path.abspath(hf_dir), tmp, dtype, ep),
+                               nprocs=world, start_method="spawn")
         _copy_side_files(hf_dir, os.path.join(tmp, "hf"))
         with open(os.path.join(tmp, CONVERT_META), "w") as f:
             json.dump({"source": os.path.abspath(hf_dir), "dtype": _DTYPE_NAMES[dtype], "architecture":
-                       spec.architecture, "converted_at_tp": tp, "converted_at_pp": pp,
+                       spec.architecture, "converted_at_tp": tp, "converted_at_pp": pp, "converted_at_ep": ep,
                        "state_dict_layout": {"model": "GPTModel.sharded_state_dict()"}}, f, indent=2)
     return out_dir
 

@@ -12,7 +12,7 @@ from m2po_megatron.convert import checkpoint as C
 from m2po_megatron.models import CheckpointMismatchError, UnsupportedModelError
 from tiny import make_hf_model, tiny_config
 
-ARCHS = ["qwen2_untied", "qwen2_tied", "qwen3", "llama32"]
+ARCHS = ["qwen2_untied", "qwen2_tied", "qwen3", "llama32", "qwen3_moe"]
 
 
 def _hf_dir(tmp, name):
@@ -221,6 +221,30 @@ def test_saved_at_tp2_pp2_converts_to_same_hf(work, tp, pp):
     C.megatron_to_hf(str(mc), str(back))
     a, b = _tensors(hf), _tensors(back)
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(600)
+def test_moe_converted_at_ep2_is_the_same_checkpoint(work, capsys):
+    """Qwen3-MoE converted by 2 expert-parallel ranks (each writes its 2 of the 4 experts per layer): --verify
+    passes and the way back gives the HF tensors bit for bit."""
+    name = "qwen3_moe"
+    hf = _hf_dir(work, name)
+    mc, back = work / "mc_moe_ep2", work / "back_moe_ep2"
+    assert cli(["convert", "hf-to-megatron", "--hf", str(hf), "--out", str(mc), "--ep", "2", "--verify"]) == 0
+    assert "verify: max |logits_HF - logits_Megatron|" in capsys.readouterr().out
+    assert json.loads((mc / "m2po_convert.json").read_text())["converted_at_ep"] == 2
+    C.megatron_to_hf(str(mc), str(back))
+    a, b = _tensors(hf), _tensors(back)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert sum(".mlp.experts." in k for k in a) == 2 * 4 * 3  # layers x experts x (gate, up, down)
+
+
+def test_moe_ep_that_does_not_divide_the_experts_is_refused(work, capsys):
+    hf = _hf_dir(work, "qwen3_moe")
+    assert cli(["convert", "hf-to-megatron", "--hf", str(hf), "--out", str(work / "mc_moe_ep3"), "--ep", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "num_experts = 4" in err and "expert_model_parallel_size = 3" in err
+    assert not (work / "mc_moe_ep3").exists()
 
 
 @pytest.mark.timeout(300)
