@@ -30,6 +30,7 @@ class SampleResult:
     weight_version: int            # the server's version when the sample finished
     server: str = ""
     meta_info: dict = dataclasses.field(default_factory=dict, repr=False)
+    routed_experts: str | None = dataclasses.field(default=None, repr=False)  # SGLang's base64 (routing.py)
 
 
 @dataclasses.dataclass
@@ -68,20 +69,23 @@ def sample_seeds(seed: int | None, n: int) -> list[int]:
 
 
 def build_generate_body(prompt_ids: Sequence[int], sampling_params: dict | None, rid: str,
-                        return_logprob: bool = True) -> dict:
+                        return_logprob: bool = True, return_routed_experts: bool = False) -> dict:
     """The /generate body for one sample (n is expanded by the client). Raises ProtocolError early for what
-    an SGLang server started with --skip-tokenizer-init would refuse."""
+    an SGLang server started with --skip-tokenizer-init would refuse. return_routed_experts (R3): the
+    server's top-k expert ids of every fed position (rollout/routing.py); only sent when wanted."""
     sp = dict(sampling_params or {})
     sp.pop("n", None)
     body = {"rid": rid, "input_ids": [int(t) for t in prompt_ids], "sampling_params": sp,
             "return_logprob": bool(return_logprob)}
+    if return_routed_experts:
+        body["return_routed_experts"] = True
     protocol.validate_request("POST /generate", body)
     protocol.sampling_params(sp, tokenizer=False)
     return body
 
 
 def build_batch_body(prompt_ids: Sequence[int], sampling_params: dict | None, seeds: Sequence[int],
-                     return_logprob: bool = True) -> dict:
+                     return_logprob: bool = True, return_routed_experts: bool = False) -> dict:
     """One /generate body for a prompt's len(seeds) samples in SGLang's batch form (lists of input_ids,
     sampling_params and rid, one entry per sample, each with its own sampling_seed): one HTTP round trip
     and one arrival at the server, so the samples join the running batch together. SGLang answers a list."""
@@ -89,6 +93,8 @@ def build_batch_body(prompt_ids: Sequence[int], sampling_params: dict | None, se
            for s in seeds]
     body = {"rid": [uuid.uuid4().hex for _ in one], "input_ids": [b["input_ids"] for b in one],
             "sampling_params": [b["sampling_params"] for b in one], "return_logprob": bool(return_logprob)}
+    if return_routed_experts:  # a bool for the whole batch, as GenerateReqInput reads it
+        body["return_routed_experts"] = True
     protocol.validate_request("POST /generate", body)
     return body
 
@@ -274,11 +280,11 @@ class RolloutClient:
         return SampleResult(output_ids=ids, output_logprobs=lps, token_versions=versions, finish_reason=reason,
                             prompt_tokens=int(meta.get("prompt_tokens", 0)),
                             weight_version=version_to_int(meta.get("weight_version"), self.initial_version),
-                            server=url, meta_info=meta)
+                            server=url, meta_info=meta, routed_experts=meta.get("routed_experts"))
 
     # ------------------------------------------------------------------ public
     async def generate(self, prompt_ids: Sequence[int], sampling_params: dict | None = None, n: int = 1,
-                       return_logprob: bool = True) -> list[SampleResult]:
+                       return_logprob: bool = True, return_routed_experts: bool = False) -> list[SampleResult]:
         """n samples of one prompt (token ids), sent as one batch request to one server (a group's samples
         share its prompt, and SGLang's prefix cache shares the prompt's KV on one server; the per-sample
         overhead of HTTP and of trickling into the running batch is paid once per prompt). With sampling_seed
@@ -290,10 +296,12 @@ class RolloutClient:
         self.stats.requests += n
         if n == 1:
             resp, url = await self._post_generate(
-                build_generate_body(prompt_ids, dict(sp, sampling_seed=seeds[0]), uuid.uuid4().hex, return_logprob))
+                build_generate_body(prompt_ids, dict(sp, sampling_seed=seeds[0]), uuid.uuid4().hex, return_logprob,
+                                    return_routed_experts))
             resps = [resp]
         else:
-            resps, url = await self._post_generate(build_batch_body(prompt_ids, sp, seeds, return_logprob))
+            resps, url = await self._post_generate(build_batch_body(prompt_ids, sp, seeds, return_logprob,
+                                                                    return_routed_experts))
             if not isinstance(resps, list) or len(resps) != n:
                 raise RolloutFailed(f"{url}/generate answered {type(resps).__name__} for a batch of {n} "
                                     "samples; SGLang answers a list with one entry per sample")
@@ -346,12 +354,14 @@ class SyncRolloutClient:
     def _call(self, coro) -> concurrent.futures.Future:
         return self._loop.submit(coro)
 
-    def submit(self, prompt_ids, sampling_params=None, n: int = 1, return_logprob: bool = True):
-        return self._call(self.client.generate(prompt_ids, sampling_params, n, return_logprob))
+    def submit(self, prompt_ids, sampling_params=None, n: int = 1, return_logprob: bool = True,
+               return_routed_experts: bool = False):
+        return self._call(self.client.generate(prompt_ids, sampling_params, n, return_logprob,
+                                               return_routed_experts))
 
     def generate(self, prompt_ids, sampling_params=None, n: int = 1, return_logprob: bool = True,
-                 timeout: float | None = None) -> list[SampleResult]:
-        return self.submit(prompt_ids, sampling_params, n, return_logprob).result(timeout)
+                 timeout: float | None = None, return_routed_experts: bool = False) -> list[SampleResult]:
+        return self.submit(prompt_ids, sampling_params, n, return_logprob, return_routed_experts).result(timeout)
 
     def pause(self, mode: str = "retract", timeout: float | None = 600) -> None:
         self._call(self.client.pause(mode)).result(timeout)

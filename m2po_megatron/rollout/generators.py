@@ -22,7 +22,8 @@ from typing import Callable, ContextManager, Optional, Protocol, runtime_checkab
 from m2po_megatron.data.prompts import PromptStream, Tokenize
 from m2po_megatron.infra import trace
 from m2po_megatron.rollout.groups import (  # noqa: F401  (re-exported: the generators' public names)
-    GenStats, GroupMaker, LockedRewards, _answered, engine_mismatch, group_from_dict, group_to_dict)
+    GenStats, GroupMaker, LockedRewards, RoutingSpec, _answered, engine_mismatch, group_from_dict, group_to_dict,
+    routing_spec)
 from m2po_megatron.rollout.samples import Group, sample_ids_for
 
 
@@ -422,7 +423,7 @@ def make_generator(cfg, client, rewards, tokenizer, prompts: PromptStream, ledge
                       "generation batches that takes", stacklevel=2)
     maker = GroupMaker(client, rewards, tokenizer, Tokenize(tokenizer, cfg.data.max_prompt_len),
                        rollout_sampling(cfg), n=r.n_samples_per_prompt, seed=cfg.run.seed,
-                       filter_metric=t.filter_groups.metric)
+                       filter_metric=t.filter_groups.metric, routing=routing_spec(cfg))
     if s.mode == "bounded":
         ctl = StalenessController(s.max_staleness, groups_per_step=t.prompts_per_step,
                                   updates_per_step=t.updates_per_step, sync_interval=s.sync_interval)

@@ -13,7 +13,29 @@ from typing import Optional
 
 from m2po_megatron.data.prompts import Tokenize
 from m2po_megatron.infra import trace
+from m2po_megatron.rollout import routing as rr
 from m2po_megatron.rollout.samples import Group, Sample, sample_ids_for
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    """algo.routing_replay = r3 on a MoE model: what the engine's routed experts must look like."""
+    num_layers: int
+    topk: int
+    num_experts: int
+
+
+def routing_spec(cfg) -> Optional[RoutingSpec]:
+    """The routed experts to request from the rollout engine: only for algo.routing_replay = r3 on a MoE
+    model (r2 replays the trainer's own routing; a dense model has none)."""
+    if getattr(cfg.algo, "routing_replay", "none") != "r3":
+        return None
+    from m2po_megatron.models.hf_config import read_hf_config
+
+    spec = read_hf_config(cfg.model.hf_path)
+    if not spec.is_moe:
+        return None
+    return RoutingSpec(spec.num_layers, spec.num_experts_per_tok, spec.num_experts)
 
 
 @dataclass
@@ -39,8 +61,13 @@ class GroupMaker:
     is a SyncRolloutClient (its own event loop thread); `submit` returns a concurrent Future."""
 
     def __init__(self, client, rewards, tokenizer, tokenize: Tokenize, sampling: dict, n: int, seed: int,
-                 filter_metric: str = "acc"):
+                 filter_metric: str = "acc", routing: Optional[RoutingSpec] = None):
+        """routing: request the engine's routed experts and attach them to each sample (R3); a sample whose
+        data is unusable is marked (dropped as bad_routing by build_step_batch) and counted per problem."""
         self.client, self.rewards, self.tok, self.tokenize = client, rewards, tokenizer, tokenize
+        self.routing = routing
+        self.routing_counts: Counter = Counter()  # routing/dropped/<problem> since the last stats()
+        self.routing_seen = False  # some answer carried routed experts (else a missing key is a set-up error)
         self.filter_metric = filter_metric  # train.filter_groups.metric: what must vary within a kept group
         self.sampling, self.n, self.seed = sampling, n, seed
         self.reward_lock = threading.Lock()  # the reward pool serves one caller at a time
@@ -58,7 +85,8 @@ class GroupMaker:
         # A per-group seed makes sampling reproducible (fixed_lag resume equality) and independent of
         # which other requests a server happens to batch with.
         seed = zlib.crc32(f"{self.seed}/{group.group_id}".encode()) & 0x7FFFFFFF
-        fut = self.client.submit(group.prompt_ids, dict(self.sampling, sampling_seed=seed), n=self.n)
+        extra = {"return_routed_experts": True} if self.routing is not None else {}
+        fut = self.client.submit(group.prompt_ids, dict(self.sampling, sampling_seed=seed), n=self.n, **extra)
         fut.add_done_callback(functools.partial(_trace_request, group.group_id, time.perf_counter()))
         return fut
 
@@ -70,8 +98,29 @@ class GroupMaker:
                    answer=group.answer)
             for sid, o in zip(sample_ids_for(group.group_id, self.n), results)
         ]
+        if self.routing is not None:
+            for s, o in zip(group.samples, results):
+                self._attach_routing(s, o.routed_experts)
         self.gen_tokens += sum(len(s.output_ids) for s in group.samples)
         return group
+
+    def _attach_routing(self, s: Sample, b64: Optional[str]) -> None:
+        """Decode and check the engine's routed experts of one sample (aborted or empty samples are dropped
+        for that reason anyway, and SGLang sends none for an abort)."""
+        if s.finish_reason == "abort" or not s.output_ids:
+            return
+        r = self.routing
+        arr, problem = rr.parse(b64, num_layers=r.num_layers, topk=r.topk, num_experts=r.num_experts,
+                                num_tokens=rr.expected_rows(len(s.prompt_ids), len(s.output_ids)))
+        if problem == "routing_missing" and not self.routing_seen:
+            raise RuntimeError("algo.routing_replay=r3 but the rollout server answered without "
+                               "meta_info.routed_experts: start SGLang with --enable-return-routed-experts (the "
+                               "launcher adds it for a MoE model; servers given by rollout.urls need it too)")
+        self.routing_seen = self.routing_seen or b64 is not None
+        s.routed_experts, s.routing_problem = arr, problem
+        if problem is not None:
+            with self.reward_lock:  # stats() swaps the counters under it
+                self.routing_counts[problem] += 1
 
     def score(self, groups: list[Group]) -> None:
         samples = [s for g in groups for s in g.samples if s.finish_reason != "abort"]
@@ -100,6 +149,7 @@ class GroupMaker:
             rewards, self.reward_stats = self.reward_stats, {}
             counts, self.filter_counts = self.filter_counts, Counter()
             mismatch, self.mismatch = self.mismatch, {}
+            bad_routing, self.routing_counts = self.routing_counts, Counter()
         now, tokens = time.perf_counter(), self.gen_tokens
         last_t, last_tokens = self._tp_mark or (since, 0)
         self._tp_mark = (now, tokens)
@@ -107,7 +157,8 @@ class GroupMaker:
         filt = {f"filter_groups/{k}": v for k, v in counts.items()}
         if seen:
             filt["filter_groups/dropped_frac"] = counts["dropped_groups"] / seen
-        return GenStats(rewards, (tokens - last_tokens) / max(now - last_t, 1e-9), {**filt, **mismatch})
+        routing = {f"routing/dropped/{k}": v for k, v in bad_routing.items()}
+        return GenStats(rewards, (tokens - last_tokens) / max(now - last_t, 1e-9), {**filt, **mismatch, **routing})
 
     def note_mismatch(self, metrics: dict) -> None:
         with self.reward_lock:
@@ -144,8 +195,8 @@ def _trace_request(gid: str, t0: float, fut) -> None:
 
 
 def _answered(samples) -> list[Sample]:
-    """Samples with output that was not aborted: the ones scored, recomputed and trained on."""
-    return [s for s in samples if s.output_ids and s.finish_reason != "abort"]
+    """Samples with output that was not aborted (nor unusable routing data): the ones recomputed and trained on."""
+    return [s for s in samples if s.output_ids and s.finish_reason != "abort" and s.routing_problem is None]
 
 
 def engine_mismatch(engine: list[list[float]], trainer: list[list[float]]) -> dict:
@@ -169,10 +220,12 @@ def engine_mismatch(engine: list[list[float]], trainer: list[list[float]]) -> di
 
 
 def group_to_dict(g: Group) -> dict:
+    """JSON-safe (run checkpoints): routed experts as {dtype, shape, b64} (routing.to_state)."""
     return {"group_id": g.group_id, "prompt_id": g.prompt_id, "prompt_ids": g.prompt_ids, "answer": g.answer,
-            "samples": [s.__dict__ for s in g.samples]}
+            "samples": [dict(s.__dict__, routed_experts=rr.to_state(s.routed_experts)) for s in g.samples]}
 
 
 def group_from_dict(d: dict) -> Group:
     return Group(group_id=d["group_id"], prompt_id=d["prompt_id"], prompt_ids=list(d["prompt_ids"]),
-                 answer=d["answer"], samples=[Sample(**s) for s in d["samples"]])
+                 answer=d["answer"], samples=[Sample(**dict(s, routed_experts=rr.from_state(s.get("routed_experts"))))
+                                              for s in d["samples"]])

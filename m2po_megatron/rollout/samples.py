@@ -6,7 +6,7 @@ counted reason (see staleness.SampleLedger)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -26,6 +26,11 @@ class Sample:
     answer: str = ""
     reward: Optional[float] = None
     text: str = ""
+    # algo.routing_replay = r3 on a MoE model: the rollout engine's top-k expert ids of every fed position of
+    # prompt + output (all but the last output token), numpy [len(prompt_ids) + len(output_ids) - 1,
+    # num_layers, top_k], int16 (int32 past 32767 experts); None otherwise (rollout/routing.py).
+    routed_experts: Optional[Any] = None
+    routing_problem: Optional[str] = None  # why the engine's routing data was unusable (dropped: bad_routing)
 
     @property
     def min_version(self) -> int:
@@ -47,6 +52,27 @@ class Group:
         return [s.sample_id for s in self.samples]
 
 
+def _unusable(s: Sample) -> Optional[str]:
+    """The ledger reason a sample is never trained on, whatever its staleness (None: usable)."""
+    if s.finish_reason == "abort":
+        return "aborted"
+    if not s.output_ids:
+        return "filtered"
+    if s.routing_problem is not None:
+        return "bad_routing"
+    return None
+
+
+def routed_rows(s: Sample) -> Optional[torch.Tensor]:
+    """TrainBatch.routed_experts of one sample: one row per input token (prompt + output), the engine's
+    experts of every fed position and -1 (no record: the trainer's router chooses) for the last token, which
+    the engine sampled but never fed; its output is no log-prob of the loss."""
+    if s.routed_experts is None:
+        return None
+    r = torch.from_numpy(s.routed_experts).long()
+    return torch.cat([r, torch.full((1, *r.shape[1:]), -1, dtype=torch.long)])
+
+
 def sample_ids_for(group_id: str, n: int) -> list[str]:
     return [f"{group_id}/{i}" for i in range(n)]
 
@@ -63,7 +89,8 @@ def build_step_batch(groups: Sequence[Group], version: int, ledger, *, max_stale
     """Turn scored groups into the trainer's batch at trainer `version`.
 
     Drops (recorded in the ledger with a reason): aborted samples (`aborted`), samples with no output
-    tokens (`filtered`), and, when `drop_too_stale`, samples whose oldest token is more than
+    tokens (`filtered`), samples whose routing-replay data was unusable (`bad_routing`, see
+    rollout/routing.py), and, when `drop_too_stale`, samples whose oldest token is more than
     `max_staleness` updates behind (`too_stale`). Advantages are group-normalised over the samples that
     remain, so a dropped sample never shifts its siblings' baseline by a reward that is not trained on."""
     keep: list[Sample] = []
@@ -71,12 +98,15 @@ def build_step_batch(groups: Sequence[Group], version: int, ledger, *, max_stale
     for g in groups:
         aborted = [s.sample_id for s in g.samples if s.finish_reason == "abort"]
         empty = [s.sample_id for s in g.samples if s.finish_reason != "abort" and not s.output_ids]
+        bad = [s.sample_id for s in g.samples if _unusable(s) == "bad_routing"]
         if aborted:
             ledger.drop(aborted, "aborted")
         if empty:
             ledger.drop(empty, "filtered")
+        if bad:
+            ledger.drop(bad, "bad_routing")
         for s in g.samples:
-            if s.finish_reason == "abort" or not s.output_ids:
+            if _unusable(s):
                 continue
             if s.reward is None:
                 raise ValueError(f"sample {s.sample_id} reached the batch without a reward")
@@ -88,7 +118,7 @@ def build_step_batch(groups: Sequence[Group], version: int, ledger, *, max_stale
         ledger.drop(stale_drops, "too_stale")
 
     metrics: dict = {"samples/dropped_this_step": len(stale_drops) + sum(
-        1 for g in groups for s in g.samples if s.finish_reason == "abort" or not s.output_ids)}
+        1 for g in groups for s in g.samples if _unusable(s))}
     if not keep:
         return StepBatch(None, [], metrics)
 
@@ -98,11 +128,14 @@ def build_step_batch(groups: Sequence[Group], version: int, ledger, *, max_stale
     adv = grpo_advantages(rewards, group_ids=group_index, norm_by_std=norm_by_std, eps=eps)
 
     ledger.consume([s.sample_id for s in keep], version, [list(s.versions) for s in keep])
+    routed = {"routed_experts": [routed_rows(s) for s in keep]} if any(
+        s.routed_experts is not None for s in keep) else {}  # R3 only: a dense run's batch is unchanged
     batch = TrainBatch(
         input_ids=[torch.tensor(s.prompt_ids + s.output_ids, dtype=torch.long) for s in keep],
         prompt_lens=[len(s.prompt_ids) for s in keep],
         behav_log_probs=[torch.tensor(s.logprobs, dtype=torch.float32) for s in keep],
         advantages=adv.float(),
+        **routed,
     )
     lengths = [len(s.output_ids) for s in keep]
     metrics.update({
