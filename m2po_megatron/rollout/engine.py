@@ -49,6 +49,12 @@ class Sequence:
     versions: list[str] = dataclasses.field(default_factory=list)
     finish: dict | None = None
     created: float = dataclasses.field(default_factory=time.monotonic)
+    # return_routed_experts: int32 [positions, layers, top_k] chunks of every token fed so far (prefill, then
+    # one row per decode step), so the last sampled token has none, as in SGLang
+    routing: list = dataclasses.field(default_factory=list)
+
+    def routed_experts(self) -> torch.Tensor | None:
+        return torch.cat(self.routing) if self.routing else None
 
     def result(self) -> dict:
         return {"output_ids": list(self.out), "logprobs": list(self.logprobs), "versions": list(self.versions),
@@ -59,11 +65,16 @@ class Sequence:
 class Engine:
     def __init__(self, model, *, weight_version: str = "default", max_running_requests: int = 256,
                  context_length: int | None = None, random_seed: int | None = None,
-                 deterministic: bool = False):
+                 deterministic: bool = False, return_routed_experts: bool = False):
         """deterministic: SGLang's --enable-deterministic-inference. Only then does a request's sampling_seed
         choose its samples (a request without one uses seed 42, as SGLang does); otherwise every sample draws
-        from the server's own generator, seeded by random_seed, and sampling_seed is ignored."""
+        from the server's own generator, seeded by random_seed, and sampling_seed is ignored.
+        return_routed_experts: SGLang's --enable-return-routed-experts: record every sequence's router choices
+        (a MoE model only; ValueError otherwise)."""
+        from m2po_megatron.rollout.moe_engine import RouterRecorder
+
         self.model = model.eval()
+        self.router = RouterRecorder(model) if return_routed_experts else None
         cfg = model.config
         self.num_layers = cfg.num_hidden_layers
         self.context_length = context_length or getattr(cfg, "max_position_embeddings", 1 << 30)
@@ -170,16 +181,23 @@ class Engine:
         self._wake.set()
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
-        """Copy HF-named tensors into the model between steps; raise KeyError/ValueError naming the tensor."""
+        """Copy HF-named tensors into the model between steps; raise KeyError/ValueError naming the tensor.
+        A MoE model's per-expert on-disk names fill their slice of the fused expert tensors (moe_engine.py)."""
+        from m2po_megatron.rollout.moe_engine import fused_expert_view
+
+        targets = []
         for name, t in named:
-            if name not in self._params:
+            dst = fused_expert_view(self._params, name)
+            if dst is None and name not in self._params:
                 raise KeyError(f"tensor {name!r} is not a parameter of the served model")
-            if tuple(t.shape) != tuple(self._params[name].shape):
+            dst = self._params[name] if dst is None else dst
+            if tuple(t.shape) != tuple(dst.shape):
                 raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, the served model expects "
-                                 f"{tuple(self._params[name].shape)}")
+                                 f"{tuple(dst.shape)}")
+            targets.append(dst)
         with self.lock, torch.no_grad():
-            for name, t in named:
-                self._params[name].copy_(t)
+            for dst, (_, t) in zip(targets, named):
+                dst.copy_(t)
             if weight_version is not None:
                 self.weight_version = str(weight_version)
 
@@ -266,6 +284,11 @@ class Engine:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         index = torch.tensor([i for i, g in enumerate(groups.values()) for _ in g])
         order = [s for g in groups.values() for s in g]
+        if self.router is not None:  # each row's own positions (left padding cut); a re-prefill starts over
+            routed = self.router.take(len(rows), length)
+            for i, (g, r) in enumerate(zip(groups.values(), rows)):
+                for s in g:
+                    s.routing = [routed[i, length - len(r):].clone()]
         cache = out.past_key_values
         keys = [cache.layers[l].keys[index] for l in range(self.num_layers)]
         values = [cache.layers[l].values[index] for l in range(self.num_layers)]
@@ -283,6 +306,10 @@ class Engine:
                          use_cache=True)
         self.keys = [cache.layers[l].keys for l in range(self.num_layers)]
         self.values = [cache.layers[l].values for l in range(self.num_layers)]
+        if self.router is not None:  # row i of the batch is self.running[i]'s fed token
+            routed = self.router.take(len(self.running), 1)
+            for i, s in enumerate(self.running):
+                s.routing.append(routed[i])
         self._sample(list(self.running), out.logits[:, -1], first_row=0)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, first_row: int) -> None:

@@ -9,7 +9,7 @@ only with --enable-deterministic-inference, a cache flush is refused while reque
     python -m m2po_megatron.rollout.local_server --model-path DIR [--host 127.0.0.1] [--port 30000]
         [--api-key KEY] [--skip-tokenizer-init] [--random-seed N] [--context-length N]
         [--max-running-requests N] [--weight-version V] [--dtype float32] [--enable-deterministic-inference]
-        [--allow-auto-truncate]
+        [--allow-auto-truncate] [--enable-return-routed-experts]
 
 Flags are named like SGLang's. There is no tokenizer: input_ids in, output_ids out."""
 from __future__ import annotations
@@ -36,8 +36,7 @@ _GENERATE_UNSUPPORTED = {"text": None, "input_embeds": None, "image_data": None,
                          "audio_data": None, "stream": False, "logprob_start_len": None, "top_logprobs_num": None,
                          "token_ids_logprob": None, "return_hidden_states": False, "lora_path": None,
                          "lora_id": None, "custom_logit_processor": None, "session_params": None,
-                         "sampling_logprobs_mode": None, "return_sampling_mask": None, "return_entropy": False,
-                         "return_routed_experts": False}
+                         "sampling_logprobs_mode": None, "return_sampling_mask": None, "return_entropy": False}
 _HEALTH_PATHS = ("/health", "/health_generate")
 LISTEN_FD_ENV = "M2PO_LISTEN_FD"  # an inherited, bound socket to serve on (rollout/launcher.py)
 
@@ -311,6 +310,8 @@ class LocalServer(WeightEndpoints):
             raise ValueError("sampling_params / rid lists must have one entry per prompt in input_ids")
         rlp = body.get("return_logprob") or False
         rlps = rlp if isinstance(rlp, list) else [rlp] * len(prompts)
+        # SGLang: only a server started with --enable-return-routed-experts answers them; others ignore the field
+        routed = bool(body.get("return_routed_experts")) and self.engine.router is not None
         jobs = []
         for p, raw, rid in zip(prompts, sps, rids):
             sp = protocol.sampling_params(raw, tokenizer=False, vocab_size=self.engine.vocab_size)
@@ -340,6 +341,8 @@ class LocalServer(WeightEndpoints):
                         "e2e_latency": time.monotonic() - t0}
                 if want_lp:
                     meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.logprobs, s.out)]
+                if routed and s.finish["type"] != "abort":  # SGLang collects them for finished requests only
+                    meta["routed_experts"] = self.engine.router.encode(s.routed_experts())
                 out.append({"output_ids": list(s.out), "meta_info": meta})
         single = not batch and int(sps[0].get("n") or 1) == 1
         return web.json_response(out[0] if single else out)
@@ -408,6 +411,8 @@ def parser() -> argparse.ArgumentParser:
                    help="as SGLang: only then does sampling_seed choose a request's samples (default seed 42)")
     p.add_argument("--allow-auto-truncate", action="store_true",
                    help="as SGLang: truncate over-length requests instead of answering 400")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="as SGLang: answer return_routed_experts (a MoE model's top-k experts per token and layer)")
     return p
 
 
@@ -457,7 +462,8 @@ def main(argv=None) -> int:
                  f"{longest}; use at most {longest}")
     engine = Engine(model, weight_version=args.weight_version, max_running_requests=args.max_running_requests or 256,
                     context_length=args.context_length, random_seed=args.random_seed,
-                    deterministic=args.enable_deterministic_inference)
+                    deterministic=args.enable_deterministic_inference,
+                    return_routed_experts=args.enable_return_routed_experts)
 
     async def start():
         server = LocalServer(engine, args)
