@@ -35,6 +35,7 @@ class ServerSpec:
     weight_version: str | None = None
     enable_deterministic_inference: bool = False  # sampling_seed takes effect only with it (SGLang and ours)
     served_model_name: str | None = None   # the run's identity: checked in /get_server_info before use
+    enable_return_routed_experts: bool = False  # R3 (algo.routing_replay=r3, MoE): answer routed experts
     extra_args: tuple[str, ...] = ()       # further SGLang flags, checked against the contract
 
 
@@ -43,7 +44,7 @@ LOCAL_DTYPES = ("auto", "float", "float32", "bfloat16")  # SGLang --dtype values
 LOCAL_FLAGS = {"model_path", "host", "port", "api_key", "skip_tokenizer_init", "dtype", "context_length",
                "max_running_requests", "random_seed", "weight_version", "log_level", "tp_size", "dp_size",
                "mem_fraction_static", "quantization", "trust_remote_code", "served_model_name",
-               "enable_deterministic_inference", "allow_auto_truncate"}
+               "enable_deterministic_inference", "allow_auto_truncate", "enable_return_routed_experts"}
 _FIELD_FLAGS = ["tp_size", "dp_size", "mem_fraction_static", "context_length", "dtype", "quantization",
                 "random_seed", "max_running_requests", "weight_version", "served_model_name"]
 
@@ -66,7 +67,7 @@ def build_command(spec: ServerSpec, python: str = sys.executable) -> list[str]:
         default = {"tp_size": 1, "dp_size": 1, "dtype": "auto"}.get(name)
         if v is not None and v != default:
             cmd += [launch_flag(name), str(v)]
-    for name in ("skip_tokenizer_init", "enable_deterministic_inference"):
+    for name in ("skip_tokenizer_init", "enable_deterministic_inference", "enable_return_routed_experts"):
         if getattr(spec, name):
             cmd.append(launch_flag(name))
     if spec.api_key:

@@ -41,6 +41,7 @@ def start_rollout_engines(cfg: DictConfig, rdir: Path):
     import ray
 
     from m2po_megatron.infra.cluster import ROLLOUT_RESOURCE
+    from m2po_megatron.rollout.groups import routing_spec
     from m2po_megatron.rollout.launcher import EngineManager, ServerSpec
 
     r = cfg.rollout
@@ -61,7 +62,8 @@ def start_rollout_engines(cfg: DictConfig, rdir: Path):
                         mem_fraction_static=r.mem_fraction_static, context_length=r.context_length,
                         dtype=r.dtype, quantization=r.quantization, api_key=key,
                         random_seed=cfg.run.seed + i, weight_version="0", served_model_name=identity,
-                        enable_deterministic_inference=r.deterministic_inference)
+                        enable_deterministic_inference=r.deterministic_inference,
+                        enable_return_routed_experts=routing_spec(cfg) is not None)
              for i in range(r.num_servers)]
     pinned = [nodes[i % len(nodes)] for i in range(r.num_servers)]
     mgr = EngineManager(specs, run_dir=str(rdir), use_ray=True, max_restarts=r.max_restarts,

@@ -15,7 +15,7 @@ SPECS = [
     ServerSpec(model_path="/models/Qwen3-8B-Base", engine="sglang", host="10.1.2.3", port=30001, tp_size=2,
                mem_fraction_static=0.85, context_length=16384, dtype="bfloat16", quantization="fp8",
                api_key="secret-key", random_seed=1235, max_running_requests=128, weight_version="0",
-               enable_deterministic_inference=True,
+               enable_deterministic_inference=True, enable_return_routed_experts=True,
                extra_args=("--cuda-graph-backend-decode", "disabled", "--allow-auto-truncate",
                            "--attention-backend", "fa3", "--admin-api-key", "admin-key")),
     ServerSpec(model_path="Qwen/Qwen2.5-Math-7B", engine="sglang", skip_tokenizer_init=False, dtype="float32"),
@@ -40,6 +40,7 @@ def test_launch_command_reads_as_meant(i):
     assert (ns.model_path, ns.host, ns.port, ns.tp_size) == (spec.model_path, spec.host, spec.port, spec.tp_size)
     assert ns.skip_tokenizer_init is spec.skip_tokenizer_init
     assert ns.enable_deterministic_inference is spec.enable_deterministic_inference
+    assert ns.enable_return_routed_experts is spec.enable_return_routed_experts
     assert ns.api_key == spec.api_key and ns.random_seed == spec.random_seed
     assert ns.context_length == spec.context_length and ns.quantization == spec.quantization
     assert ns.dtype == spec.dtype and ns.mem_fraction_static == spec.mem_fraction_static
@@ -55,6 +56,7 @@ def test_cpu_server_command_reads_alike_in_both_parsers(tiny_model_dir):
 
     spec = ServerSpec(model_path=tiny_model_dir, engine="local", port=30005, context_length=64, random_seed=3,
                       api_key="k", weight_version="0", enable_deterministic_inference=True,
+                      enable_return_routed_experts=True,
                       extra_args=("--allow-auto-truncate",))
     argv = build_command(spec)[3:]
     ours, theirs = local_parser().parse_args(argv), _sglang_parser().parse_args(argv)
@@ -72,6 +74,7 @@ ARGV = [  # (extra_args, note): the launcher accepts exactly what SGLang's parse
     ["--enable-deterministic-inference", "--random-seed", "7"], ["--allow-auto-truncate=yes"],
     ["--quantization", "fp8"], ["--quantization", "fp9"], ["--chunked-prefill-size", "4096"],
     ["--tensor-parallel-size", "2"], ["--log-level", "debug"], ["--tp-size", "2", "3"],
+    ["--enable-return-routed-experts"], ["--enable-return-routed-experts", "true"],
 ]
 
 
