@@ -168,3 +168,15 @@ def test_server_without_the_flag_ignores_the_field(moe_dir, tmp_path):
         finally:
             client.close()
     assert r.finish_reason == "length" and r.routed_experts is None
+
+
+def test_routing_is_requested_only_for_r3_on_a_moe_model(moe_dir, tiny_model_dir):
+    from types import SimpleNamespace
+
+    from m2po_megatron.rollout.groups import RoutingSpec, routing_spec
+
+    cfg = lambda mode, path: SimpleNamespace(algo=SimpleNamespace(routing_replay=mode),
+                                             model=SimpleNamespace(hf_path=path))
+    assert routing_spec(cfg("r3", moe_dir)) == RoutingSpec(num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
+    assert routing_spec(cfg("r2", moe_dir)) is None and routing_spec(cfg("none", moe_dir)) is None
+    assert routing_spec(cfg("r3", tiny_model_dir)) is None  # a dense model routes nothing
