@@ -51,6 +51,7 @@ GENERATE = [
     {"input_ids": [1], "rid": 5},
     {"input_ids": [1], "return_logprob": 1},
     {"input_ids": [1], "return_logprob": True, "sampling_params": SP},
+    {"input_ids": [1, 2], "return_routed_experts": True, "sampling_params": SP},  # a dense server: ignored
     {"text": "hello"},
     {"sampling_params": SP},
     [1, 2],
