@@ -26,7 +26,7 @@ from m2po_megatron.infra.device import device, rehearsing
 
 from . import checkpoint
 from .batch import TrainBatch
-from .dp_share import rank_share, skipped_update
+from .dp_share import even_microbatches, rank_share, skipped_update
 from .fused_logprobs import output_layer_log_probs
 from .global_mask import behav_and_advantages, m2po_keep_masks
 from .metrics import StepTimes, combine_updates, read_step_values, reduce_minibatch
@@ -41,6 +41,7 @@ from .packing import (
     to_device,
 )
 from .precision import probe_machine, resolve_precision
+from .routing_replay import RoutingReplay, check_routing_replay
 from .settings import check_options, recompute_overrides
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,9 @@ class MegatronActor:
         tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel,
         virtual_pipeline_model_parallel_size, context_parallel_size: Megatron's parallel settings. Data
             parallel size = WORLD_SIZE / (TP * PP * CP).
+        expert_model_parallel_size, expert_tensor_parallel_size, moe_aux_loss_coeff: MoE models: Megatron's
+            expert parallel sizes (ETP None = TP) and the load-balancing loss weight.
+        routing_replay: MoE models: "none" | "r2" | "r3" (actor.routing_replay).
         use_distributed_optimizer: shard optimizer state over data-parallel ranks (Megatron's ZeRO-1).
         recompute_granularity (None | "selective" | "full"), recompute_method, recompute_num_layers:
             Megatron's activation recompute.
@@ -102,6 +106,10 @@ class MegatronActor:
         virtual_pipeline_model_parallel_size: Optional[int] = None,
         context_parallel_size: int = 1,
         sequence_parallel: bool = False,
+        expert_model_parallel_size: int = 1,
+        expert_tensor_parallel_size: Optional[int] = None,
+        moe_aux_loss_coeff: float = 0.0,
+        routing_replay: str = "none",
         use_distributed_optimizer: bool = True,
         recompute_granularity: Optional[str] = None,
         recompute_method: str = "uniform",
@@ -147,7 +155,11 @@ class MegatronActor:
 
         self.hf_source = hf_path if hf_path is not None else hf_config
         self.spec = read_hf_config(self.hf_source)
-        validate_layout(self.spec, tensor_model_parallel_size, pipeline_model_parallel_size)
+        validate_layout(self.spec, tensor_model_parallel_size, pipeline_model_parallel_size,
+                        ep=expert_model_parallel_size, etp=expert_tensor_parallel_size)
+        self.moe = dict(expert_model_parallel_size=expert_model_parallel_size, moe_aux_loss_coeff=moe_aux_loss_coeff,
+                        expert_tensor_parallel_size=expert_tensor_parallel_size)
+        check_routing_replay(self.spec, routing_replay, context_parallel_size)
 
         self.loss_name = loss_name
         self.loss_kwargs = dict(loss_kwargs or {})
@@ -160,6 +172,9 @@ class MegatronActor:
         self._init_parallel(tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size, seed)
         chunks = self._build_model(sequence_parallel, recompute_overrides(
             recompute_granularity, recompute_method, recompute_num_layers))
+        self.replay = RoutingReplay(chunks, mode=routing_replay, num_experts=self.spec.num_experts,
+                                    topk=self.spec.num_experts_per_tok,
+                                    recompute=recompute_granularity == "full") if self.spec.is_moe else None
         # Initial weights go into the bare chunks, before DDP / the optimizer copy them into their buffers.
         src = load_from
         if src is None and hf_path is not None and checkpoint.has_hf_weights(hf_path):
@@ -198,7 +213,9 @@ class MegatronActor:
         from .parallel import init_distributed
 
         self.dp_size = init_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                        context_parallel_size=cp, seed=seed)
+                                        context_parallel_size=cp, seed=seed,
+                                        expert_model_parallel_size=self.moe["expert_model_parallel_size"],
+                                        expert_tensor_parallel_size=self.moe["expert_tensor_parallel_size"])
         self.ps = ps
         self.tp_size = tp
         self.pp_size = pp
@@ -207,6 +224,8 @@ class MegatronActor:
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.dp_rank = ps.get_data_parallel_rank()
         self.is_last_stage = ps.is_pipeline_last_stage()
+        # the expert-parallel group spans DP ranks: they must run as many micro-batches (dp_share)
+        self.even = self.spec.is_moe and self.moe["expert_model_parallel_size"] > 1
 
     def _build_model(self, sequence_parallel: bool, recompute: dict) -> list:
         """This rank's bare GPTModel chunks (the TransformerConfig kept as self.config)."""
@@ -216,7 +235,7 @@ class MegatronActor:
         self.config = transformer_config_from_hf(
             self.spec, params_dtype=pr.transformer_overrides()["params_dtype"],
             tensor_model_parallel_size=self.tp_size, pipeline_model_parallel_size=self.pp_size,
-            sequence_parallel=sequence_parallel, fp8=pr.fp8, fp8_recipe=pr.fp8_recipe, **recompute)
+            sequence_parallel=sequence_parallel, fp8=pr.fp8, fp8_recipe=pr.fp8_recipe, **self.moe, **recompute)
         chunks = build_model_chunks(self.spec, self.config, attention_backend=self.attention_backend)
         self.device = next(chunks[0].parameters()).device  # where every micro-batch input goes
         # Row lengths divide by TP for sequence parallelism, and by TE's FP8 GEMM rule (packing.row_multiple).
@@ -237,14 +256,17 @@ class MegatronActor:
         return self._unwrapped()
 
     # ------------------------------------------------------------------ forward plumbing
-    def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool):
+    def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool, targets=lambda mb: None):
         """Run megatron's schedule over this rank's micro-batches; loss_fn(mb, (log-probs, entropy)) on the
         last stage, where GPTModel's output_processor hook hands the final hidden states to the fused
-        output-layer log-probs instead of building [S, V/tp] logits (earlier stages return hidden states)."""
+        output-layer log-probs instead of building [S, V/tp] logits (earlier stages return hidden states).
+        targets(mb): MoE routing replay's [S, layers, k] for the micro-batch, or None (routing_replay.py)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator: Iterator, model):
             mb = next(data_iterator)
+            if self.replay is not None:
+                self.replay.before_forward(targets(mb))
             out = model(**model_inputs(mb, self.device, self.attention_backend),
                         output_processor=self._response_logps, output_processor_context=mb)
             return out, partial(loss_fn, mb)
@@ -279,32 +301,39 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()
-    def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = True):
-        """Per-token log-probs of every response token (and entropy) at the current weights.
+    def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = True, replay: bool = False):
+        """Per-token log-probs of every response token (and entropy) at the current weights (MoE: with the
+        batch's routed_experts replayed when `replay`, else the trainer's own routing).
 
         Returns (log_probs, entropy): lists of 1-D fp32 CPU tensors (response length each; entropy None when
         with_entropy=False), identical on every rank."""
         batch.validate(for_training=False, vocab_size=self.spec.vocab_size, max_tokens=self.micro_batch_tokens)
         offs = [0, *itertools.accumulate(batch.response_lens)]
         shard = shard_for_dp(batch.lengths, self.dp_size)[self.dp_rank]  # empty shards add zeros in _share
-        flat = self._forward_logps(batch, shard, offs, with_entropy)
+        flat = self._forward_logps(batch, shard, offs, with_entropy, replay)
         lp = flat[0]
         ent = flat[1] if with_entropy else None
         split = lambda t: [t[offs[i]:offs[i + 1]].clone() for i in range(len(batch))]  # noqa: E731
         return split(lp), (split(ent) if ent is not None else None)
 
-    def _forward_logps(self, batch: TrainBatch, shard: list[int], offs: list[int], with_entropy: bool):
+    def _forward_logps(self, batch: TrainBatch, shard: list[int], offs: list[int], with_entropy: bool,
+                       replay: bool = False):
         """Forward-only over `shard` of `batch`; returns [2, total_response_tokens] (log-prob, entropy) for
         the whole batch, summed over DP and broadcast from the last stage (zeros where another shard).
         Each micro-batch's values stay on the device; they are placed with one index_copy after the schedule
         and come to the host with one copy (_share)."""
         out = torch.zeros(2, offs[-1], dtype=torch.float32, device=device())
-        if shard:
-            mbs = self._plan(batch, shard)
+        if shard or self.even:
+            mbs = self._plan(batch, shard) if shard else []
+            n_real = len(batch)
+            if self.even:
+                batch, _, mbs, _ = self._even(batch, None, mbs)
             parts: list[torch.Tensor] = []
             where: list[torch.Tensor] = []  # host: positions in `out` of each micro-batch's response tokens
 
             def loss_fn(mb, model_out):
+                if mb.seq_index[0] >= n_real:  # a filler micro-batch (expert parallelism)
+                    return model_out[0].new_zeros(()), {}
                 lp, ent = self._token_logps(mb, model_out, with_entropy)
                 ent = ent.float() if ent is not None else torch.zeros_like(lp, dtype=torch.float32)
                 parts.append(torch.stack([lp.detach().float(), ent]))
@@ -312,7 +341,7 @@ class MegatronActor:
                 return model_out[0].new_zeros(()), {}
 
             self._eval_mode()
-            self._run(mbs, loss_fn, forward_only=True)
+            self._run(mbs, loss_fn, forward_only=True, targets=self._targets(batch, replay))
             if parts:  # the last pipeline stage
                 out.index_copy_(1, to_device(torch.cat(where), out.device), torch.cat(parts, 1))
         return self._share(out)
@@ -352,10 +381,18 @@ class MegatronActor:
             engine = batch
             batch, corr_metrics = self._three_policy(batch)
             times.add("logprob_pass", t)
+        replay_metrics = {}
+        if self.replay is not None and len(batch):
+            t = time.perf_counter()
+            batch, replay_metrics = self.replay.prepare_step(self, batch, minis)
+            times.add("logprob_pass", t)
         per_update = [self._train_minibatch(batch.select(mi), times, None if engine is None else engine.select(mi))
                       if mi else skipped_update(float(self.optimizer.param_groups[0]["lr"])) for mi in minis]
         out = combine_updates(per_update, self.updates_applied)
         out.update(corr_metrics)
+        out.update(replay_metrics)
+        if self.replay is not None:
+            out.update(self.replay.step_metrics(self))
         out.update({f"time/actor/{k}": v for k, v in times.items()})
         self.last_spans = times.spans  # the run timeline's per-update spans (run/worker.py)
         out["time/actor/train_step"] = time.perf_counter() - t_start
@@ -370,7 +407,12 @@ class MegatronActor:
         global_tokens, global_seqs = mb_batch.loss_counts()  # the denominators, over every DP rank
         mb_batch, engine_batch, shard, filler = rank_share(mb_batch, self.dp_size, self.dp_rank, engine_batch)
         mbs = self._plan(mb_batch, shard)
+        first_fill = len(mb_batch) - 1 if filler else len(mb_batch)
+        if self.even:
+            mb_batch, engine_batch, mbs, n_fill = self._even(mb_batch, engine_batch, mbs)
+            first_fill = len(mb_batch) - 1 if (filler or n_fill) else first_fill
         n_local = len(mbs)
+        fillers = sum(mb.seq_index[0] >= first_fill for mb in mbs)
 
         keep_masks: dict[int, torch.Tensor] = {}
         mask_stats: dict[str, float] = {}
@@ -406,7 +448,7 @@ class MegatronActor:
             stats.append(st)
             if engine_batch is not None:  # log(theta/engine) = drift log(theta/proximal) + mismatch log(proximal/engine)
                 eng = to_device(torch.cat([engine_batch.behav_log_probs[i].float() for i in mb.seq_index]), dev)
-                parts.append(ratio_parts(logp, behav, eng, mask | (not filler)))  # a filler's token: out
+                parts.append(ratio_parts(logp, behav, eng, mask | (mb.seq_index[0] < first_fill)))  # filler's: out
             ent_sums.append(torch.where(mask, ent, 0.0).sum().float())  # a filler's or dropped token's: 0
             return loss * (n_local * self.dp_size), {}
 
@@ -416,7 +458,7 @@ class MegatronActor:
         self.optimizer.zero_grad()
         t = time.perf_counter()
         try:
-            self._run(mbs, loss_fn, forward_only=False)
+            self._run(mbs, loss_fn, forward_only=False, targets=self._targets(mb_batch, True, count=True))
         except Exception:
             read_step_values(stats, ent_sums)  # a NaN/inf input that broke the step: name it
             raise
@@ -431,7 +473,7 @@ class MegatronActor:
         times.add("optimizer", t_opt)
 
         reduced = (reduce_minibatch(mb_metrics, entropy_sum, mask_stats, dp_group=self.dp_group, parts=parts,
-                                    fillers=int(filler)) if self.is_last_stage else None)
+                                    fillers=fillers) if self.is_last_stage else None)
         out = self._on_all_stages(reduced)
         out.update({
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
@@ -462,7 +504,7 @@ class MegatronActor:
             return lp.new_zeros(()), {}
 
         self._eval_mode()
-        self._run(mbs, loss_fn, forward_only=True)
+        self._run(mbs, loss_fn, forward_only=True, targets=self._targets(mb_batch, True))
         if not self.is_last_stage:
             return {}, {}
         return m2po_keep_masks(mb_batch, mbs, cur, tau=self.m2po_tau, rule=self.m2po_rule, dp_group=self.dp_group,
@@ -475,6 +517,16 @@ class MegatronActor:
 
         proximal, _ = self.compute_log_probs(batch, with_entropy=False)
         return three_policy_batch(batch, proximal, self.correction)
+
+    def _even(self, batch: TrainBatch, engine: Optional[TrainBatch], mbs: list):
+        return even_microbatches(batch, engine, mbs, dp_size=self.dp_size, max_tokens=self.micro_batch_tokens,
+                                 plan=self._plan)
+
+    def _targets(self, batch: TrainBatch, replay: bool, count: bool = False):
+        """targets(mb) for _run: the batch's routing replayed (MoE with a replay mode), else None."""
+        if self.replay is None:
+            return lambda mb: None
+        return self.replay.targets_for(batch, replay, count)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str) -> None:

@@ -24,6 +24,9 @@ class TrainBatch:
         Required by train_step.
     loss_weights: optional per response token factor on the loss (>= 0; 0 drops the token), one 1-D float
         tensor per sequence: the rollout correction's weights, which the actor sets itself.
+    routed_experts: MoE models with routing replay R3 only: per sequence None or an integer tensor
+        [len(input_ids[i]), layers, top-k] of the experts that routed each token at generation (ids >= 0),
+        -1 for a token with no record (the trainer's router chooses). actor.routing_replay replays it.
     """
 
     input_ids: list[torch.Tensor]
@@ -31,6 +34,7 @@ class TrainBatch:
     behav_log_probs: Optional[list[torch.Tensor]] = None
     advantages: Optional[Union[torch.Tensor, list[torch.Tensor]]] = None
     loss_weights: Optional[list[torch.Tensor]] = None
+    routed_experts: Optional[list[Optional[torch.Tensor]]] = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -88,6 +92,7 @@ class TrainBatch:
             behav_log_probs=None if self.behav_log_probs is None else [self.behav_log_probs[i] for i in idx],
             advantages=adv,
             loss_weights=None if self.loss_weights is None else [self.loss_weights[i] for i in idx],
+            routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in idx],
         )
 
     def validate(self, *, for_training: bool, vocab_size: Optional[int] = None, max_tokens: Optional[int] = None):
@@ -110,6 +115,7 @@ class TrainBatch:
                 raise ValueError(
                     f"TrainBatch.input_ids[{i}] has {ids.numel()} tokens, more than micro_batch_tokens="
                     f"{max_tokens}: raise micro_batch_tokens to at least the longest prompt+response")
+        self._validate_routing()
         if not for_training:
             return
         rl = self.response_lens
@@ -138,6 +144,18 @@ class TrainBatch:
                 if a.dim() != 1 or a.numel() != rl[i]:
                     raise ValueError(
                         f"TrainBatch.advantages[{i}] has shape {tuple(a.shape)}; expected ({rl[i]},)")
+
+
+    def _validate_routing(self) -> None:
+        if self.routed_experts is None:
+            return
+        if len(self.routed_experts) != len(self.input_ids):
+            raise ValueError(f"TrainBatch.routed_experts has {len(self.routed_experts)} entries for "
+                             f"{len(self.input_ids)} sequences")
+        for i, r in enumerate(self.routed_experts):
+            if r is not None and (r.dim() != 3 or r.shape[0] != self.input_ids[i].numel() or r.is_floating_point()):
+                raise ValueError(f"TrainBatch.routed_experts[{i}] has shape {tuple(r.shape)} ({r.dtype}); expected "
+                                 f"an integer tensor ({self.input_ids[i].numel()}, layers, top-k), one row per token")
 
 
 @dataclass

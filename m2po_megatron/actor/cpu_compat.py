@@ -3,7 +3,8 @@ only when CUDA is absent; nothing else knows about it.
 
 megatron-core assumes a GPU in a handful of places (docs/models.md, "megatron-core on CPU"): tensors allocated with
 `device="cuda"` / `torch.cuda.current_device()` / `.cuda()`, the CUDA RNG tracker, `torch.cuda.synchronize`,
-streams and events in DDP grad sync, and `param.type() == 'torch.cuda.FloatTensor'` checks in the optimizer.
+streams and events in DDP grad sync, `param.type() == 'torch.cuda.FloatTensor'` checks in the optimizer, and the
+MoE dispatcher's `tensor.is_cuda` test before its device-to-host copy of split sizes.
 On a machine without CUDA the CPU *is* the device, so this module:
 
 1. pushes a `TorchFunctionMode` that rewrites CUDA devices (strings, `torch.device`, integer indices) to CPU,
@@ -196,7 +197,28 @@ def _patch_process() -> None:
         ):
             mrandom._CUDA_RNG_STATE_TRACKER = None
             mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    _patch_moe_host_copy()
     _patched = True
+
+
+def _patch_moe_host_copy() -> None:
+    """The MoE all-to-all dispatcher copies its split sizes from the device to the host (as numpy, which the
+    collective takes) only when `tensor.is_cuda`; here the device is the CPU, so a device tensor is a CPU
+    tensor: the same copy, keyed on the mapped device instead."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "_m2po_cpu", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy() if as_numpy else tensor
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu._m2po_cpu = True
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
 def _enter_thread_mode() -> None:

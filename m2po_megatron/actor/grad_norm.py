@@ -10,8 +10,11 @@ Where TE or Apex is installed megatron's own fused norm is kept (`use_fused_grad
 Hook: megatron's ChainedOptimizer.step() asks `self.get_grad_norm()` for the norm it logs, clips by and
 returns; `use_fused_grad_norm` sets that method on the optimizer object to ours, over the same gradients
 (`get_grads_for_grad_norm()`: megatron's own rule that leaves out shared and tensor-parallel duplicate
-parameters) and the same reduction group (`get_grad_stats_parallel_group()`). It returns a float, as the
-fallback does, because megatron's clip without TE only takes a float.
+parameters) and the same reduction group (`get_grad_stats_parallel_group()`). With mixture of experts the
+chain has an expert optimizer whose group differs (megatron sums the squared norms of the chained
+optimizers); each group's squares are summed on the device and reduced over its group, and the one host
+read comes after. It returns a float, as the fallback does, because megatron's clip without TE only takes a
+float.
 """
 from __future__ import annotations
 
@@ -21,9 +24,8 @@ import torch.distributed as dist
 from m2po_megatron.infra.device import device
 
 
-def fused_grad_norm(grads: list[torch.Tensor], group=None) -> float:
-    """L2 norm of `grads` (this rank's, fp32) summed in squares over `group`, as megatron's
-    get_grad_norm_fp32(norm_type=2): the norm of the per-tensor norms, squared, all-reduced, then rooted."""
+def _squares(grads: list[torch.Tensor], group=None) -> torch.Tensor:
+    """[1] sum of squares of `grads` over `group`, on the device (no host read)."""
     if grads:
         norms = torch._foreach_norm(grads)
         total = torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1) ** 2
@@ -31,7 +33,13 @@ def fused_grad_norm(grads: list[torch.Tensor], group=None) -> float:
         total = torch.zeros(1, dtype=torch.float32, device=device())
     if dist.is_initialized():
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    return float(total.item()) ** 0.5
+    return total
+
+
+def fused_grad_norm(grads: list[torch.Tensor], group=None) -> float:
+    """L2 norm of `grads` (this rank's, fp32) summed in squares over `group`, as megatron's
+    get_grad_norm_fp32(norm_type=2): the norm of the per-tensor norms, squared, all-reduced, then rooted."""
+    return float(_squares(grads, group).item()) ** 0.5
 
 
 def megatron_norm_is_fallback() -> bool:
@@ -46,19 +54,24 @@ def use_fused_grad_norm(optimizer, force: bool = False) -> bool:
     """Make `optimizer` (megatron's ChainedOptimizer or one of its optimizers) compute its grad norm with
     fused_grad_norm, where megatron would use its per-tensor fallback (or `force`); with TE or Apex megatron's
     own multi-tensor norm stays (TE's even keeps the norm on the device for clipping). Returns whether it
-    was set. The chained optimizers must share one grad-stats group (they do for a dense GPT)."""
+    was set."""
     if not (force or megatron_norm_is_fallback()):
         return False
     subs = getattr(optimizer, "chained_optimizers", [optimizer])
-    group = subs[0].get_grad_stats_parallel_group()
-    if any(s.get_grad_stats_parallel_group() is not group for s in subs):
-        raise ValueError("use_fused_grad_norm: the chained optimizers reduce gradient statistics over different "
-                         "groups; keep megatron's own get_grad_norm for this model")
+    groups: list = []  # [(group, [optimizers])] in chain order: dense, and with MoE the experts'
+    for sub in subs:
+        g = sub.get_grad_stats_parallel_group()
+        for have, members in groups:
+            if have is g:
+                members.append(sub)
+                break
+        else:
+            groups.append((g, [sub]))
 
     @torch.no_grad()
     def get_grad_norm():
-        grads = [g for s in subs for g in s.get_grads_for_grad_norm()]
-        return fused_grad_norm(grads, group)
+        totals = [_squares([x for s in members for x in s.get_grads_for_grad_norm()], g) for g, members in groups]
+        return float(torch.cat(totals).sum().item()) ** 0.5
 
     optimizer.get_grad_norm = get_grad_norm
     return True

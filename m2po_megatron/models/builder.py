@@ -162,9 +162,8 @@ def moe_kwargs(spec: HFModelSpec, *, ep: int, etp: int, aux_loss_coeff: float = 
         moe_router_pre_softmax=not spec.norm_topk_prob, moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=float(aux_loss_coeff),
-        # alltoall sends each token to the EP ranks of its experts only; allgather gives every EP rank all
-        # tokens (the one that runs over gloo on CPU, where all_to_all is missing)
-        moe_token_dispatcher_type="alltoall" if has_cuda() else "allgather",
+        # each token goes to the EP ranks of its experts only (all-to-all, uneven splits: NCCL and gloo alike)
+        moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=grouped_gemm, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         moe_enable_routing_replay=bool(routing_replay),
         # Qwen3-MoE has no capacity limit: every token reaches its k experts (no token dropping)

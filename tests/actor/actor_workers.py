@@ -358,3 +358,105 @@ def short_batch_worker(sizes=(0, 1, 3, 5)):
         out[name] = (actor.dp_size, rows)
         actor.close()
     return out
+
+
+MOE = {  # a tiny Qwen3-MoE written here: 4 experts, top-2, every layer sparse
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu", "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "attention_dropout": 0.0, "use_sliding_window": False,
+    "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.0,
+    "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **TINY,
+}
+
+
+def _router_hooks(actor, seen: dict):
+    """Forward hooks on every MoE router recording the experts it dispatched to ([tokens, E] routing map), split
+    by pass: the forward, or a full-recompute re-run inside backward. An observation independent of the replay
+    hook: what the layer's experts actually received."""
+    from m2po_megatron.models.loading import unwrap
+
+    handles = []
+    for chunk in actor.model_chunks():
+        for layer in unwrap(chunk).decoder.layers:
+            def hook(mod, inp, out, i=layer.layer_number - 1):
+                where = "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+                seen.setdefault((where, i), []).append(out[1].detach().clone())
+            handles.append(layer.mlp.router.register_forward_hook(hook))
+    return handles
+
+
+def moe_train_worker(jobs):
+    """Tiny Qwen3-MoE jobs in order (each a dict: tp, pp, ep, replay ('none'|'r2'|'r3'), recompute (bool),
+    targets ('random' for R3 targets unlike the router's own)). Returns per job: dp, metrics, HF-named
+    weights after one SGD update, and for R3 the share of tokens whose dispatched experts equal the targets,
+    in forward and in recompute."""
+    from m2po_megatron.actor.actor import MegatronActor
+    from m2po_megatron.convert.export import gather_hf_state_dict
+
+    cfg = MOE
+    hf = make_hf_model(cfg)
+    batch = make_batch(n=8, vocab=cfg["vocab_size"], ref_model=hf)
+    g = torch.Generator().manual_seed(11)
+    L, E, k = cfg["num_hidden_layers"], cfg["num_experts"], cfg["num_experts_per_tok"]
+    routed = []
+    for ids, p in zip(batch.input_ids, batch.prompt_lens):  # random distinct experts for the response tokens
+        r = torch.full((ids.numel(), L, k), -1, dtype=torch.int16)
+        r[p - 1:] = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range((ids.numel() - p + 1) * L)]
+                                ).view(-1, L, k).to(torch.int16)
+        routed.append(r)
+    results = []
+    for job in jobs:
+        actor = MegatronActor(hf_config=cfg, load_from=hf, tensor_model_parallel_size=job.get("tp", 1),
+                              pipeline_model_parallel_size=job.get("pp", 1),
+                              expert_model_parallel_size=job.get("ep", 1), micro_batch_tokens=40,
+                              optimizer="sgd", lr=0.1, weight_decay=0.0, clip_grad=0.0, loss_name="grpo",
+                              use_distributed_optimizer=False,
+                              routing_replay=job.get("replay", "none"),
+                              recompute_granularity="full" if job.get("recompute") else None)
+        b = batch.select(range(len(batch)))
+        if job.get("replay") == "r3":
+            b.routed_experts = routed
+        seen: dict = {}
+        handles = _router_hooks(actor, seen) if job.get("observe") else []
+        res = {"dp": actor.dp_size, "metrics": actor.train_step(b, num_minibatches=job.get("num_minibatches", 1))}
+        for h in handles:
+            h.remove()
+        res["weights"] = gather_hf_state_dict(actor.model_chunks(), actor.spec)
+        if job.get("observe"):
+            res["observed"] = {key: [m.sum().item() for m in maps] for key, maps in seen.items()}
+            if job.get("replay") == "r3":
+                res["exact"] = _replay_exact(actor, b, seen, k)
+        results.append(res)
+        actor.close()
+    return results
+
+
+def _replay_exact(actor, batch, seen, k):
+    """(targets, equal) per pass: tokens with a target and those whose dispatched experts equal it, from the
+    router hooks, over the training forward (the last of the forward calls: after the global-mask and
+    diagnostics passes) and the recompute."""
+    from m2po_megatron.actor.dp_share import rank_share
+    from m2po_megatron.actor.routing_replay import row_targets
+
+    batch, _, shard, _ = rank_share(batch, actor.dp_size, actor.dp_rank)  # this rank's training micro-batches
+    mbs = actor._plan(batch, shard)
+    if actor.even:
+        batch, _, mbs, _ = actor._even(batch, None, mbs)
+    out = {}
+    for where in ("forward", "recompute"):
+        n_t = n_eq = 0
+        for (w, i), maps in seen.items():
+            if w != where:
+                continue
+            train = maps[-len(mbs):]  # this rank's training micro-batches, in schedule order
+            for mb, m in zip(mbs, train):
+                t = row_targets(batch.routed_experts, mb, [i], k)
+                if t is None:  # a filler micro-batch
+                    continue
+                t = t[:, 0, :].long()
+                has = t[:, 0] >= 0
+                want = torch.zeros_like(m).scatter_(1, t.clamp_min(0), True)
+                n_t += int(has.sum())
+                n_eq += int(((want == m).all(1) & has).sum())
+        out[where] = (n_t, n_eq)
+    return out
