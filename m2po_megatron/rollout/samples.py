@@ -69,8 +69,8 @@ def routed_rows(s: Sample) -> Optional[torch.Tensor]:
     the engine sampled but never fed; its output is no log-prob of the loss."""
     if s.routed_experts is None:
         return None
-    r = torch.from_numpy(s.routed_experts).long()
-    return torch.cat([r, torch.full((1, *r.shape[1:]), -1, dtype=torch.long)])
+    r = torch.from_numpy(s.routed_experts)  # int16 (int32 past 32767 experts): 2 bytes x layers x k per token
+    return torch.cat([r, torch.full((1, *r.shape[1:]), -1, dtype=r.dtype)])
 
 
 def sample_ids_for(group_id: str, n: int) -> list[str]:

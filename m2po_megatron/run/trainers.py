@@ -76,8 +76,12 @@ class Ranks:
         samples = [s for g in groups for s in g.samples if s.output_ids and s.finish_reason != "abort"]
         if not samples:
             return
+        from m2po_megatron.rollout.samples import routed_rows
+
+        routed = [routed_rows(s) for s in samples]
         batch = TrainBatch(input_ids=[torch.tensor(s.prompt_ids + s.output_ids) for s in samples],
-                           prompt_lens=[len(s.prompt_ids) for s in samples])
+                           prompt_lens=[len(s.prompt_ids) for s in samples],
+                           routed_experts=routed if any(r is not None for r in routed) else None)
         logps = self.call("compute_log_probs", ray.put(batch), what="recomputing behaviour log-probs")[0]
         for s, lp in zip(samples, logps):
             s.logprobs = [float(x) for x in lp]

@@ -38,7 +38,8 @@ class TrainerWorker(RankActorBase):
     # -- training --------------------------------------------------------------------------------
     def compute_log_probs(self, batch):
         with trace.span("logprob_pass", "train", seqs=len(batch), tokens=sum(batch.lengths)):
-            out = self.actor.compute_log_probs(batch, with_entropy=False)
+            # R3: the behaviour policy routed as the engine did (the batch carries its routing)
+            out = self.actor.compute_log_probs(batch, with_entropy=False, replay=batch.routed_experts is not None)
         trace.flush()
         return out[0] if isinstance(out, tuple) else out
 

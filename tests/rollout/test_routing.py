@@ -156,6 +156,6 @@ def test_the_step_batch_carries_one_row_per_input_token():
     batch = build_step_batch([g], 0, ledger).batch
     batch.validate(for_training=True)
     for s, r in zip(g.samples, batch.routed_experts):
-        assert r.shape == (len(PROMPT) + len(out), L, K) and r.dtype == torch.long
+        assert r.shape == (len(PROMPT) + len(out), L, K) and r.dtype == torch.int16  # compact: it travels to every rank
         np.testing.assert_array_equal(r[:-1].numpy(), s.routed_experts)
         assert (r[-1] == -1).all()
