@@ -22,13 +22,14 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from m2po_megatron.infra.device import device, rehearsing
+from m2po_megatron.infra.device import device
 
 from . import checkpoint
 from .batch import TrainBatch
 from .dp_share import even_microbatches, rank_share, skipped_update
 from .fused_logprobs import output_layer_log_probs
-from .global_mask import behav_and_advantages, m2po_keep_masks
+from .correction import three_policy_batch
+from .global_mask import behav_and_advantages, global_keep_masks
 from .metrics import StepTimes, combine_updates, read_step_values, reduce_minibatch
 from .optim import build_optimizer, wrap_ddp
 from .packing import (
@@ -40,7 +41,7 @@ from .packing import (
     split_minibatches,
     to_device,
 )
-from .precision import probe_machine, resolve_precision
+from .precision import resolve_machine
 from .routing_replay import RoutingReplay, check_routing_replay
 from .settings import check_options, recompute_overrides
 
@@ -149,7 +150,8 @@ class MegatronActor:
         from m2po_megatron.algo.rollout_correction import CorrectionSpec
 
         self.correction = CorrectionSpec(**(rollout_correction or {}))  # ValueError naming the field
-        self._resolve_machine(attention_backend, sequence_parallel, params_dtype, fp8, fp8_recipe)
+        self.attention_backend, self.precision = resolve_machine(attention_backend, sequence_parallel, params_dtype,
+                                                                fp8, fp8_recipe)
         from m2po_megatron.models.builder import validate_layout
         from m2po_megatron.models.hf_config import read_hf_config
 
@@ -190,22 +192,6 @@ class MegatronActor:
             lr_decay_steps=lr_decay_steps, lr_schedule=lr_schedule)
 
     # ------------------------------------------------------------------ construction
-    def _resolve_machine(self, attention_backend, sequence_parallel, params_dtype, fp8, fp8_recipe) -> None:
-        """Attention backend and precision for this machine (CUDA, Transformer Engine, compute capability)."""
-        from m2po_megatron.models.builder import resolve_attention_backend
-
-        cuda, te, cc = probe_machine()
-        self.attention_backend = resolve_attention_backend(attention_backend, cuda=cuda, te=te)
-        if sequence_parallel and self.attention_backend != "te":
-            raise ValueError("sequence_parallel=True needs the Transformer Engine layer spec (attention_backend "
-                             "'te' on a GPU): megatron-core's local layers use torch norms, which refuse sequence "
-                             "parallelism; set sequence_parallel=False")
-        self.precision = resolve_precision(params_dtype, fp8, fp8_recipe, cuda=cuda or rehearsing(),  # fake bf16
-                                           te_available=te, compute_capability=cc)
-        if self.precision.fp8 and self.attention_backend != "te":
-            raise ValueError(f"fp8 runs on Transformer Engine layers: set attention_backend='te' (or 'auto'), "
-                             f"not {attention_backend!r}")
-
     def _init_parallel(self, tp: int, pp: int, cp: int, seed: int) -> None:
         """torch.distributed and Megatron's parallel state; the groups and ranks this actor talks to."""
         from megatron.core import parallel_state as ps
@@ -379,7 +365,8 @@ class MegatronActor:
         if self.correction.mode != "bypass" and len(batch):
             t = time.perf_counter()
             engine = batch
-            batch, corr_metrics = self._three_policy(batch)
+            proximal, _ = self.compute_log_probs(batch, with_entropy=False)  # the step's starting weights
+            batch, corr_metrics = three_policy_batch(batch, proximal, self.correction)
             times.add("logprob_pass", t)
         replay_metrics = {}
         if self.replay is not None and len(batch):
@@ -419,7 +406,7 @@ class MegatronActor:
         use_global_mask = self.loss_name == "m2po" and self.m2po_scope == "global"
         if use_global_mask:
             t = time.perf_counter()
-            keep_masks, mask_stats = self._global_keep_masks(mb_batch, shard, mbs)  # ends in a host read
+            keep_masks, mask_stats = global_keep_masks(self, mb_batch, mbs)  # ends in a host read
             times.add("logprob_pass", t)
 
         # Per micro-batch everything stays on the device (loss stats with their NaN/inf counts, the entropy
@@ -492,31 +479,6 @@ class MegatronActor:
                                        group=self.pp_group)
             obj = box[0]
         return obj
-
-    @torch.no_grad()  # megatron's forward_only does not disable autograd; without this it keeps the graph
-    def _global_keep_masks(self, mb_batch: TrainBatch, shard: list[int], mbs: list[MicroBatch]):
-        """No-grad forward at current weights; the M2PO mask over the mini-batch on all DP ranks: (masks, stats)."""
-        cur: dict[int, torch.Tensor] = {}
-
-        def loss_fn(mb, model_out):
-            lp, _ = self._token_logps(mb, model_out, with_entropy=False)
-            cur[id(mb)] = lp.detach().float()
-            return lp.new_zeros(()), {}
-
-        self._eval_mode()
-        self._run(mbs, loss_fn, forward_only=True, targets=self._targets(mb_batch, True))
-        if not self.is_last_stage:
-            return {}, {}
-        return m2po_keep_masks(mb_batch, mbs, cur, tau=self.m2po_tau, rule=self.m2po_rule, dp_group=self.dp_group,
-                               tokens=self.loss_kwargs.get("m2_tokens", "trust_region"))
-
-    def _three_policy(self, batch: TrainBatch) -> tuple[TrainBatch, dict]:
-        """The proximal pass (no grad, the step's starting weights, shared by every rank), then the batch the
-        losses see and the correction's metrics (actor.correction.three_policy_batch)."""
-        from .correction import three_policy_batch
-
-        proximal, _ = self.compute_log_probs(batch, with_entropy=False)
-        return three_policy_batch(batch, proximal, self.correction)
 
     def _even(self, batch: TrainBatch, engine: Optional[TrainBatch], mbs: list):
         return even_microbatches(batch, engine, mbs, dp_size=self.dp_size, max_tokens=self.micro_batch_tokens,

@@ -39,3 +39,22 @@ def m2po_keep_masks(mb_batch: TrainBatch, mbs: list[MicroBatch], current: dict, 
     stats = {"m2po_global/num_trust_region": res.num_trust_region, "m2po_global/num_dropped": res.num_dropped,
              "m2po_global/m2_before": res.m2_before, "m2po_global/m2_after": res.m2_after}
     return {id(mb): k for mb, k in zip(mbs, res.keep_masks)}, stats
+
+
+@torch.no_grad()  # megatron's forward_only does not disable autograd; without this it keeps the graph
+def global_keep_masks(actor, mb_batch: TrainBatch, mbs: list[MicroBatch]) -> tuple[dict, dict]:
+    """The actor's no-grad forward at its current weights over this rank's micro-batches (routed as the update
+    will route them), then the M2PO mask over the mini-batch on all DP ranks: (masks, stats)."""
+    cur: dict[int, torch.Tensor] = {}
+
+    def loss_fn(mb, model_out):
+        lp, _ = actor._token_logps(mb, model_out, with_entropy=False)
+        cur[id(mb)] = lp.detach().float()
+        return lp.new_zeros(()), {}
+
+    actor._eval_mode()
+    actor._run(mbs, loss_fn, forward_only=True, targets=actor._targets(mb_batch, True))
+    if not actor.is_last_stage:
+        return {}, {}
+    return m2po_keep_masks(mb_batch, mbs, cur, tau=actor.m2po_tau, rule=actor.m2po_rule, dp_group=actor.dp_group,
+                           tokens=actor.loss_kwargs.get("m2_tokens", "trust_region"))
