@@ -90,7 +90,9 @@ def _hook_class():
             self.counts[row, 1] += n_differ
 
         def _load(self, used: torch.Tensor) -> None:
-            n = torch.bincount(used.detach().flatten(), minlength=self.num_experts)
+            flat = used.detach().flatten()  # a scatter-add: a fixed shape, no host sync (bincount reads the max)
+            n = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).index_add_(
+                0, flat, torch.ones_like(flat))
             self.load = n if self.load is None else self.load + n
 
         def reset(self) -> None:

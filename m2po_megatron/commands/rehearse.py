@@ -40,7 +40,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from m2po_megatron.config import ConfigError, load_config
     from m2po_megatron.config.validation import model_hf_config
-    from m2po_megatron.rehearse import NOT_TRACED
+    from m2po_megatron.rehearse import NOT_TRACED, NOT_TRACED_MOE
     from m2po_megatron.rehearse.plan import minibatch_seqs, report, run_roles, traced_kwargs, verdict
 
     if args.jobs < 1 or args.timeout_s <= 0 or args.tolerance <= 0 or (
@@ -64,7 +64,8 @@ def run(args) -> int:
     rep.update(recipe=str(args.recipe), world_size=world, layout=dict(tp=tp, pp=pp, dp=dp,
                vpp=p.virtual_pipeline_model_parallel_size), minibatch_seqs=seqs, recipe_minibatch_seqs=full,
                changed=changed,
-               not_traced=list(NOT_TRACED), allocator_model="m2po_megatron.infra.fake_world.RehearsalMode")
+               not_traced=list(NOT_TRACED) + (list(NOT_TRACED_MOE) if hf.get("num_experts") or
+                                              hf.get("num_local_experts") else []), allocator_model="m2po_megatron.infra.fake_world.RehearsalMode")
     rep["ok"], rep["problems"] = verdict(rep, args.tolerance)
     ok = rep["ok"]
     if args.format == "json":

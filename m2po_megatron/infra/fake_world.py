@@ -15,6 +15,12 @@ The seams, all here and all named (nothing of the training step is re-implemente
 - Megatron's gloo groups are built on the fake backend too (gloo cannot run over the fake group's store).
 - tensor collectives and point-to-point calls are logged with their process group's Megatron name and bytes,
   and not run (the fake backend moves no data either, and has no fake implementation of the coalesced ones).
+  An all-gather of a *real* tensor (a count, e.g. the MoE dispatcher's tokens per expert) fills its output with
+  this rank's tensor on every rank (the SPMD assumption, as for objects).
+- mixture of experts: routing is data (which expert each token picks), and fake tensors have none. The MoE
+  dispatcher gets a real, balanced routing map instead (`balanced_moe_routing`: token t picks experts
+  (t x k + j) mod E, so every expert receives T x k / E tokens), from which its split sizes are real numbers:
+  every expert computes on a balanced share of tokens, the expectation the memory formula uses.
 """
 from __future__ import annotations
 
@@ -223,7 +229,11 @@ class CollectiveLog:
                    ("position_embedding", ps.get_position_embedding_group),
                    ("tp_dp", ps.get_tensor_and_data_parallel_group),
                    ("tp_dp_cp", lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=True)),
-                   ("cp", ps.get_context_parallel_group)]
+                   ("cp", ps.get_context_parallel_group),
+                   # mixture of experts: expert parallel, expert tensor parallel, their product, expert DP
+                   ("ep", ps.get_expert_model_parallel_group), ("etp", ps.get_expert_tensor_parallel_group),
+                   ("etp_ep", ps.get_expert_tensor_and_model_parallel_group),
+                   ("edp", ps.get_expert_data_parallel_group)]
         for name, get in getters:
             try:
                 g = get()
@@ -258,6 +268,48 @@ def _nbytes(x) -> int:
 _TENSOR_CALLS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "_reduce_scatter_base",
                  "_all_gather_base", "broadcast", "reduce", "all_gather", "reduce_scatter", "send", "recv",
                  "isend", "irecv", "all_to_all_single", "all_to_all", "gather", "scatter", "barrier")
+
+
+def _tile_real(out, inp) -> None:
+    """An all-gather of real tensors: every rank holds this rank's tensor."""
+    if isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor) and not isinstance(out, FakeTensor) \
+            and not isinstance(inp, FakeTensor) and inp.numel() and out.numel() % inp.numel() == 0:
+        with _disable_current_modes():
+            out.view(-1, inp.numel()).copy_(inp.reshape(1, -1).expand(out.numel() // inp.numel(), -1))
+
+
+def balanced_routing_map(tokens: int, experts: int, topk: int) -> torch.Tensor:
+    """A real [tokens, experts] bool map in which token t routes to experts (t x k + j) mod E, j < k: every
+    expert gets tokens x k / E of them (rounded), each token k distinct experts."""
+    idx = (torch.arange(tokens).view(-1, 1) * topk + torch.arange(topk).view(1, -1)) % experts
+    return torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, idx, True)
+
+
+@contextlib.contextmanager
+def balanced_moe_routing():
+    """For the block, megatron's all-to-all MoE dispatcher routes by balanced_routing_map (module docstring)."""
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    D = td.MoEAlltoAllTokenDispatcher
+    original, gather = D.dispatch_preprocess, td.gather_from_sequence_parallel_region
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        with _disable_current_modes():
+            real = balanced_routing_map(routing_map.shape[0], routing_map.shape[1], self.config.moe_router_topk)
+        return original(self, hidden_states, real, probs)
+
+    def gather_counts(input_, *args, group=None, **kwargs):
+        """The dispatcher's all-gather of its real token counts: every rank holds this rank's (SPMD)."""
+        if isinstance(input_, FakeTensor):
+            return gather(input_, *args, group=group, **kwargs)
+        with _disable_current_modes():
+            return torch.cat([input_] * group.size(), dim=0)
+
+    D.dispatch_preprocess, td.gather_from_sequence_parallel_region = dispatch_preprocess, gather_counts
+    try:
+        yield
+    finally:
+        D.dispatch_preprocess, td.gather_from_sequence_parallel_region = original, gather
 
 
 class _Done:
@@ -308,6 +360,8 @@ def logged_collectives(log: CollectiveLog):
                 group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
             first = args[0] if args else next(iter(kwargs.values()), None)
             log.calls.append((name, log.group_name(group), _nbytes(first)))
+            if name in ("all_gather_into_tensor", "_all_gather_base") and len(args) >= 2:
+                _tile_real(args[0], args[1])
             return _Done() if (kwargs.get("async_op") or name in ("isend", "irecv")) else None
         return call
 

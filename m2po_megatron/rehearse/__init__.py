@@ -18,6 +18,10 @@ What a CPU cannot trace, and how the report covers it (never skipped silently; `
 - torch's AdamW runs its single-tensor kernel on CPU tensors; on a GPU its foreach kernel makes one fp32
   temporary per parameter (the formula's optimizer_step).
 - The CUDA context, NCCL buffers and allocator fragmentation (the formula's fixed overhead).
+- Mixture of experts: which experts a token picks (data; fake tensors have none). The dispatcher routes by a
+  balanced map (infra.fake_world.balanced_moe_routing): every expert computes on tokens x k / E tokens, the
+  balanced expectation; a real router's imbalance adds to the busiest expert's share. TE's grouped GEMM
+  experts (GPU) are traced as megatron's SequentialMLP.
 """
 from __future__ import annotations
 
@@ -28,4 +32,9 @@ NOT_TRACED = (
     "torch.compile'd kernels (megatron's fused SwiGLU) run eagerly; RMSNorm is the CPU's composite kernel",
     "torch's foreach AdamW temporary (GPU): the CPU's single-tensor kernel is traced; the formula adds it",
     "CUDA context, NCCL buffers, allocator fragmentation: the formula's fixed overhead",
+)
+NOT_TRACED_MOE = (
+    "MoE routing (data): every expert gets a balanced share of the tokens (tokens x k / E); a real router's "
+    "imbalance adds to the busiest expert's activations",
+    "TE's grouped-GEMM experts (GPU): traced as megatron's SequentialMLP (one MLP per local expert)",
 )

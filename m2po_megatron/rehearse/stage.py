@@ -65,7 +65,8 @@ def rehearse_rank(kwargs: dict, *, rank: int, world_size: int, minibatch_seqs: i
     t0 = time.perf_counter()
     from m2po_megatron.infra import device
 
-    from m2po_megatron.infra.fake_world import CollectiveLog, RehearsalMode, init_fake_world, logged_collectives
+    from m2po_megatron.infra.fake_world import (CollectiveLog, RehearsalMode, balanced_moe_routing, init_fake_world,
+                                                logged_collectives)
 
     import torch._dynamo
 
@@ -80,7 +81,7 @@ def rehearse_rank(kwargs: dict, *, rank: int, world_size: int, minibatch_seqs: i
     from m2po_megatron.actor.actor import MegatronActor
 
     mode.phase = "build"
-    with mode, logged_collectives(log):
+    with mode, logged_collectives(log), balanced_moe_routing():
         actor = MegatronActor(**kwargs)
     t_build = time.perf_counter() - t0
     ps = actor.ps
@@ -115,7 +116,7 @@ def rehearse_rank(kwargs: dict, *, rank: int, world_size: int, minibatch_seqs: i
     actor.optimizer.step = traced_step
     mode.phase = "temporaries"
     t1 = time.perf_counter()
-    with mode, mode.saved_as_activations(), logged_collectives(log):
+    with mode, mode.saved_as_activations(), logged_collectives(log), balanced_moe_routing():
         actor.train_step(batch, num_minibatches=1)
     t_step = time.perf_counter() - t1
     # the micro-batches this rank ran: its DP shard of the mini-batch, packed as train_step packs it

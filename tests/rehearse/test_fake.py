@@ -119,3 +119,16 @@ def test_collectives_are_logged_with_group_and_bytes(fake_world):
     assert summary[("all_reduce", "dp")]["count"] == 1 and summary[("isend", "world")]["bytes"] == 2048
     # outside the block the real functions are back
     assert dist.all_reduce.__module__ == "torch.distributed.distributed_c10d"
+
+
+def test_balanced_moe_routing_gives_every_expert_its_share():
+    """The rehearsal's MoE seam: k distinct experts per token and T x k / E tokens per expert (rounded), so the
+    dispatcher's split sizes are real numbers."""
+    from m2po_megatron.infra.fake_world import balanced_routing_map
+
+    for tokens, experts, k in ((16, 4, 2), (1000, 128, 8), (7, 8, 3)):
+        m = balanced_routing_map(tokens, experts, k)
+        assert m.shape == (tokens, experts) and m.dtype == torch.bool
+        assert (m.sum(1) == k).all()  # k distinct experts per token
+        per = m.sum(0)
+        assert int(per.sum()) == tokens * k and int(per.max() - per.min()) <= 1  # balanced
