@@ -18,6 +18,7 @@ from m2po_megatron.config.schema import ConfigError
 def choices() -> dict[str, tuple | None]:
     """Each enumerated field's allowed values; a value the code implements is named where it is implemented
     (imported here, when a recipe is checked, not when this module is)."""
+    from m2po_megatron.actor.routing_replay import REPLAY_MODES
     from m2po_megatron.actor.settings import LR_SCHEDULES, M2PO_SCOPES, RECOMPUTE_GRANULARITIES
     from m2po_megatron.algo.losses import AGG_MODES, LOSSES
     from m2po_megatron.algo.mask import M2_TOKENS, RULES
@@ -37,6 +38,7 @@ def choices() -> dict[str, tuple | None]:
         "parallel.recompute_method": ("uniform", "block"),
         "algo.name": LOSSES,
         "algo.loss_agg_mode": AGG_MODES,
+        "algo.routing_replay": REPLAY_MODES,
         "algo.gspo.loss_agg_mode": AGG_MODES,
         "algo.m2po.rule": RULES,
         "algo.m2po.m2_tokens": M2_TOKENS,
@@ -58,6 +60,7 @@ def choices() -> dict[str, tuple | None]:
 POSITIVE = [
     "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
     "parallel.context_parallel_size", "parallel.data_parallel_size", "parallel.recompute_num_layers",
+    "parallel.expert_model_parallel_size",
     "rollout.num_servers",
     "rollout.tp_size", "rollout.dp_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
     "rollout.max_concurrency", "rollout.request_timeout_s", "rollout.health_timeout_s", "rollout.bucket_mb",
@@ -73,6 +76,7 @@ NON_NEGATIVE = [
     "checkpoint.interval", "rollout.max_retries", "rollout.max_restarts", "cluster.rollout_nodes",
     "cluster.gpus_per_node", "cluster.trainer_gpus_per_node", "reward.format_score", "rollout.temperature", "algo.adv_eps", "optim.adam_eps",
     "rollout.port", "checkpoint.stop_timeout_s", "train.filter_groups.max_num_gen_batches",
+    "model.moe_aux_loss_coeff",
 ]
 
 
@@ -122,6 +126,10 @@ def validate(cfg: DictConfig, check_files: bool = True) -> None:
         v = _get(cfg, path)
         if v is not None and v < 0:
             errors.append(f"{path} = {v!r} must be >= 0")
+    etp = cfg.parallel.expert_tensor_parallel_size
+    if etp is not None and etp < 1:
+        errors.append(f"parallel.expert_tensor_parallel_size = {etp} must be >= 1, or null (= "
+                      f"tensor_model_parallel_size, megatron-core's default)")
     if not 0 < cfg.rollout.top_p <= 1:
         errors.append(f"rollout.top_p = {cfg.rollout.top_p} must be in (0, 1]")
     steps = _get(cfg, "eval.steps") or []
@@ -345,10 +353,22 @@ def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     heads = hf.get("num_attention_heads")
     layers = hf.get("num_hidden_layers")
+    experts, expert_ffn = moe_dims(hf)
+    etp, ep = p.expert_tensor_parallel_size, p.expert_model_parallel_size  # < 1: reported in validate()
     errors += layout_errors(num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
-                            num_layers=layers, intermediate_size=hf.get("intermediate_size"),
+                            num_layers=layers, intermediate_size=None if experts else hf.get("intermediate_size"),
                             vocab_size=hf.get("vocab_size"), tp=tp, pp=pp,
-                            vpp=p.virtual_pipeline_model_parallel_size, prefix="parallel.")
+                            vpp=p.virtual_pipeline_model_parallel_size, prefix="parallel.",
+                            num_experts=experts, moe_intermediate_size=expert_ffn,
+                            ep=max(ep, 1), etp=etp if etp and etp > 0 else None,
+                            world_size=_trainer_world(cfg))
+    if experts and tp > 1 and not p.sequence_parallel:
+        errors.append(f"parallel.sequence_parallel = false with tensor_model_parallel_size = {tp}: megatron-core "
+                      f"trains a mixture-of-experts model with TP > 1 only under sequence parallelism; set "
+                      f"parallel.sequence_parallel = true (Transformer Engine layers) or use TP 1")
+    if not experts and cfg.algo.routing_replay != "none":
+        errors.append(f"algo.routing_replay = {cfg.algo.routing_replay} replays the experts of a mixture-of-experts "
+                      f"model; {_architecture(hf)} is dense: use none")
     per_stage = layers // pp if layers and layers % pp == 0 else None
     if per_stage and p.recompute_granularity == "full":
         n = p.recompute_num_layers
@@ -373,6 +393,33 @@ def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
                           f"train.micro_batch_tokens ({format_estimate(est)})")
 
 
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)  # models/hf_config.py reads these; other MoE configs fail there
+
+
+def moe_dims(hf: dict) -> tuple[Optional[int], Optional[int]]:
+    """(num_experts, moe_intermediate_size) of a mixture-of-experts config, (None, None) for a dense one. The
+    dict is read as written (an unsupported model is reported by the memory estimate, which parses it fully);
+    transformers 5 saves Qwen3-MoE's num_experts as num_local_experts."""
+    archs = hf.get("architectures") or []
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    moe = any(a in MOE_ARCHITECTURES for a in archs) or (not archs and hf.get("model_type") == "qwen3_moe")
+    if not (moe and experts):
+        return None, None
+    return int(experts), hf.get("moe_intermediate_size")
+
+
+def _architecture(hf: dict) -> str:
+    return ", ".join(hf.get("architectures") or []) or str(hf.get("model_type", "this model"))
+
+
+def _trainer_world(cfg: DictConfig) -> int:
+    """The trainer's ranks as the actor builds them (tp x pp x cp x dp): _check_layout already holds the
+    cluster section to the same product, and on CPU (no cluster GPUs) it is the only count there is."""
+    p = cfg.parallel
+    return (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+            * p.data_parallel_size)
+
+
 def estimate_memory(cfg: DictConfig, hf: Optional[dict] = None) -> Optional[dict]:
     """The per-GPU memory estimate of a trainer rank in GiB (m2po_megatron.models.memory), or None when the model's
     config.json is not known. A layout it cannot compute is a ConfigError naming the field."""
@@ -382,6 +429,7 @@ def estimate_memory(cfg: DictConfig, hf: Optional[dict] = None) -> Optional[dict
     from m2po_megatron.models.memory import estimate_gpu_memory
 
     p = cfg.parallel
+    replay = cfg.algo.routing_replay
     dtype = cfg.model.params_dtype
     if dtype == "auto":
         dtype = "bf16" if cfg.cluster.gpus_per_node > 0 else "fp32"
@@ -392,7 +440,11 @@ def estimate_memory(cfg: DictConfig, hf: Optional[dict] = None) -> Optional[dict
             micro_batch_tokens=cfg.train.micro_batch_tokens, use_distributed_optimizer=p.use_distributed_optimizer,
             params_dtype=dtype, fp8=bool(cfg.model.fp8), sequence_parallel=p.sequence_parallel,
             recompute=p.recompute_granularity, context_parallel_size=p.context_parallel_size,
-            attention_backend=_gpu_attention_backend(cfg.model.attention_backend))
+            attention_backend=_gpu_attention_backend(cfg.model.attention_backend),
+            expert_model_parallel_size=p.expert_model_parallel_size,
+            expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+            moe_aux_loss=(cfg.model.moe_aux_loss_coeff or 0) > 0,
+            routing_replay=replay if replay in choices()["algo.routing_replay"] else "none")  # else reported
     except ValueError as e:
         raise ConfigError(f"memory estimate of this layout: {e} (parallel.*); use sizes that divide the model") from None
 
