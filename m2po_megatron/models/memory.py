@@ -26,6 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from m2po_megatron.models.moe_memory import (check_expert_layout, dispatcher_state_bytes, expert_data_parallel,
+                                             expert_layer_params, moe_saved_elements, replay_bytes, router_params)
+
 GiB = 1024**3
 BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 RECOMPUTE = (None, "none", "selective", "full")
@@ -49,6 +52,10 @@ class ModelShape:
     tied: bool
     qkv_bias: bool
     qk_norm: bool
+    # mixture of experts (0 experts: dense; then ffn is the MLP's): E experts of expert_ffn, top-k per token
+    experts: int = 0
+    topk: int = 0
+    expert_ffn: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -68,31 +75,49 @@ def model_shape(hf_config) -> ModelShape:
     return ModelShape(hidden=spec.hidden_size, layers=spec.num_layers, heads=spec.num_attention_heads,
                       kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim, ffn=spec.intermediate_size,
                       vocab=spec.vocab_size, tied=spec.tie_word_embeddings, qkv_bias=spec.qkv_bias,
-                      qk_norm=spec.qk_norm)
+                      qk_norm=spec.qk_norm, experts=spec.num_experts, topk=spec.num_experts_per_tok,
+                      expert_ffn=spec.moe_intermediate_size)
 
 
 def layer_params(s: ModelShape) -> tuple[int, int]:
-    """(tensor-parallel-split parameters, replicated parameters) of one decoder layer."""
-    split = s.hidden * (s.q_dim + 2 * s.kv_dim) + s.q_dim * s.hidden + 3 * s.hidden * s.ffn
+    """(tensor-parallel-split parameters, replicated parameters) of one decoder layer. A MoE layer's experts
+    are neither (split over expert ranks: moe_memory.expert_layer_params); its router is replicated."""
+    mlp = 0 if s.experts else 3 * s.hidden * s.ffn
+    split = s.hidden * (s.q_dim + 2 * s.kv_dim) + s.q_dim * s.hidden + mlp
     if s.qkv_bias:
         split += s.q_dim + 2 * s.kv_dim
     replicated = 2 * s.hidden + (2 * s.head_dim if s.qk_norm else 0)
+    if s.experts:
+        replicated += router_params(s)
     return split, replicated
 
 
 def param_count(hf_config: dict) -> int:
-    """Total parameters of the HF model (embeddings counted once when tied)."""
+    """Total parameters of the HF model (embeddings counted once when tied; every expert)."""
     s = model_shape(hf_config)
     split, rep = layer_params(s)
     emb = s.vocab * s.hidden
-    return s.layers * (split + rep) + emb * (1 if s.tied else 2) + s.hidden
+    return s.layers * (split + rep + expert_layer_params(s)) + emb * (1 if s.tied else 2) + s.hidden
 
 
-def _stage_params(s: ModelShape, tp: int, pp: int, stage: Optional[int] = None) -> tuple[float, float]:
-    """(params, linear params) on one TP rank of pipeline stage `stage` (None: the heaviest)."""
+def active_param_count(hf_config: dict) -> int:
+    """Parameters one token goes through: param_count with each MoE layer's top-k experts instead of all of
+    them (the input embedding is a lookup but counted, as model cards count it). Dense: param_count."""
+    s = model_shape(hf_config)
+    split, rep = layer_params(s)
+    experts = expert_layer_params(s) * s.topk // s.experts if s.experts else 0
+    emb = s.vocab * s.hidden
+    return s.layers * (split + rep + experts) + emb * (1 if s.tied else 2) + s.hidden
+
+
+def _stage_params(s: ModelShape, tp: int, pp: int, stage: Optional[int] = None, ep: int = 1,
+                  etp: int = 1) -> tuple[float, float, float]:
+    """(params, linear params, expert params) on one TP rank of pipeline stage `stage` (None: the heaviest);
+    the expert params (a share of params) are this rank's E / ep experts, each split over etp ranks."""
     split, rep = layer_params(s)
     per_stage = s.layers // pp
-    body = per_stage * (split / tp + rep)
+    expert = per_stage * expert_layer_params(s) / (ep * etp)
+    body = per_stage * (split / tp + rep) + expert
     emb = s.vocab * s.hidden / tp  # vocab-parallel embedding / output layer
     # first stage: embedding; last stage: final norm + output layer (Megatron keeps a copy of a tied
     # embedding on the last stage when pp > 1); pp == 1: one stage holds all of it
@@ -105,13 +130,14 @@ def _stage_params(s: ModelShape, tp: int, pp: int, stage: Optional[int] = None) 
     else:
         extra = emb + s.hidden  # the last stage is the heavier of the two ends
         lin_extra = emb
-    linear = per_stage * split / tp + lin_extra
-    return body + extra, linear
+    linear = per_stage * split / tp + lin_extra + expert
+    return body + extra, linear, expert
 
 
 def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = False, fp8: bool = False,
                          attention_backend: str = "sdpa", row_tokens: int = 0, recompute: Optional[str] = None,
-                         cuda_kernels: bool = True) -> tuple[float, float, float]:
+                         cuda_kernels: bool = True, etp: Optional[int] = None,
+                         aux_loss: bool = False) -> tuple[float, float, float]:
     """What one decoder layer saves for backward per token: (elements in the activation dtype, FP8 bytes,
     fp32 elements), tensor by tensor, on one TP rank. `row_tokens` (the packed row length) matters only for
     the "local" backend's S x S scores. cuda_kernels: the kernels a CUDA machine runs: torch's fused RMSNorm
@@ -120,7 +146,9 @@ def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = F
     keeps fp32 copies of the input and of the normalised input; torch's reference flex also keeps a row max),
     which tests/actor/test_memory_saved.py measures against autograd's saved tensors in bf16. SwiGLU is
     megatron's fused Function on every device (saves its input). (fp32 activations, CPU only, share some of
-    the counted copies: the estimate is for bf16.)"""
+    the counted copies: the estimate is for bf16.) A MoE layer's MLP is moe_memory.moe_saved_elements (etp:
+    expert tensor parallel, default tp; aux_loss: the load-balancing loss is on), its int64 indices counted as
+    two fp32 elements each."""
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend = {attention_backend!r} must be one of {ATTENTION_BACKENDS}")
     rep = 1.0 / (tp if sequence_parallel else 1)  # hidden-sized tensors: sharded only by sequence parallel
@@ -135,9 +163,11 @@ def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = F
         f32 += 2 * rep
     else:
         f32 += 2 * (2 * h + 1) * rep
-    # linear_qkv and linear_fc1 inputs (the two norms' outputs)
-    act += 2 * h * rep * lin
-    fp8b += 2 * h * rep * (1 - lin)
+    # linear_qkv and linear_fc1 inputs (the two norms' outputs); a MoE layer's router keeps the second
+    # (moe_saved_elements)
+    n_in = 1 if s.experts else 2
+    act += n_in * h * rep * lin
+    fp8b += n_in * h * rep * (1 - lin)
     # q_layernorm / k_layernorm (Qwen3): q is a reshaped copy of linear_qkv's output, k a view of it
     if s.qk_norm:
         if cuda_kernels:
@@ -174,6 +204,9 @@ def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = F
             # which runs where flex cannot, also keeps its concatenated output: one q more, not counted.)
             act += q * lin
             fp8b += q * (1 - lin)
+    if s.experts:
+        a, b, c = moe_saved_elements(s, tp, sequence_parallel, etp or tp, fp8, aux_loss)
+        return act + a, fp8b + b, f32 + c
     # MLP: linear_fc1's output (gate and up) kept by the fused SwiGLU (bias_activation_fusion; the unfused
     # one would keep 2 x ffn more), linear_fc2's input
     act += 2 * f
@@ -183,8 +216,10 @@ def layer_saved_elements(s: ModelShape, tp: int = 1, sequence_parallel: bool = F
 
 
 def _layer_activation_bytes(s: ModelShape, tp: int, sp: bool, fp8: bool, backend: str, row_tokens: int,
-                            recompute: Optional[str], act_bytes: int, cuda_kernels: bool = True) -> float:
-    act, fp8b, f32 = layer_saved_elements(s, tp, sp, fp8, backend, row_tokens, recompute, cuda_kernels)
+                            recompute: Optional[str], act_bytes: int, cuda_kernels: bool = True,
+                            etp: Optional[int] = None, aux_loss: bool = False) -> float:
+    act, fp8b, f32 = layer_saved_elements(s, tp, sp, fp8, backend, row_tokens, recompute, cuda_kernels, etp,
+                                          aux_loss)
     return act * act_bytes + fp8b + 4 * f32
 
 
@@ -236,6 +271,10 @@ def estimate_gpu_memory(
     pipeline_stage: Optional[int] = None,
     cuda_kernels: bool = True,
     foreach_adam: bool = True,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: Optional[int] = None,
+    moe_aux_loss: bool = False,
+    routing_replay: str = "none",
 ) -> dict[str, float]:
     """Estimated peak memory of one trainer GPU in GiB: weights, grads, optimizer, activations, logits,
     optimizer_step, overhead and total. `micro_batch_tokens` (required: the recipe's train.micro_batch_tokens)
@@ -248,6 +287,12 @@ def estimate_gpu_memory(
     and the last stage's extras. `cuda_kernels` (layer_saved_elements): False for what the CPU's kernels save
     (m2po rehearse traces them). `foreach_adam`: torch's foreach AdamW temporary (False: its single-tensor
     kernel, which a CPU runs, makes none worth counting).
+    Mixture-of-experts models: a rank holds E / `expert_model_parallel_size` experts, each split over
+    `expert_tensor_parallel_size` ranks (None: TP); with the distributed optimizer their optimizer states are
+    sharded over expert-data-parallel (TP x CP x DP / (ETP x EP)), the rest over DP x CP. `moe_aux_loss`: the
+    load-balancing loss is on (model.moe_aux_loss_coeff > 0); `routing_replay`: algo.routing_replay. The
+    activations count the router, the dispatcher and the experts' routed copies (models/moe_memory.py); the
+    result then has "expert_params_per_gpu_billion" too.
     """
     tp, pp, dp, cp = (int(tensor_model_parallel_size), int(pipeline_model_parallel_size),
                       int(data_parallel_size), int(context_parallel_size))
@@ -268,23 +313,29 @@ def estimate_gpu_memory(
                          f"and num_key_value_heads = {s.kv_heads}")
     if s.layers % pp:
         raise ValueError(f"pipeline_model_parallel_size = {pp} must divide num_hidden_layers = {s.layers}")
+    ep, etp = int(expert_model_parallel_size), expert_tensor_parallel_size
+    check_expert_layout(s, ep, etp)
+    etp = int(etp or tp)
+    edp = expert_data_parallel(tp, cp, dp, ep, etp) if s.experts else 1
 
     if pipeline_stage is not None and not 0 <= pipeline_stage < pp:
         raise ValueError(f"pipeline_stage = {pipeline_stage} must be in [0, {pp})")
-    p_rank, p_linear = _stage_params(s, tp, pp, pipeline_stage)
+    p_rank, p_linear, p_exp = _stage_params(s, tp, pp, pipeline_stage, ep, etp)
     pbytes = BYTES[params_dtype]
     mixed = pbytes < 4
     weights = p_rank * pbytes + (p_linear if fp8 else 0)
     grads = p_rank * (4 if (grad_reduce_in_fp32 or not mixed) else 2)
     opt_bytes = 12 if mixed else 8  # fp32 master + m + v, or m + v when the params are fp32
-    optimizer = p_rank * opt_bytes / (dp * cp if use_distributed_optimizer else 1)
+    shard, eshard = (dp * cp, edp) if use_distributed_optimizer else (1, 1)
+    optimizer = (p_rank - p_exp) * opt_bytes / shard + p_exp * opt_bytes / eshard
 
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend = {attention_backend!r} must be one of {ATTENTION_BACKENDS}")
     tokens = micro_batch_tokens / cp
     sp_div = tp if sequence_parallel else 1
     per_layer = _layer_activation_bytes(s, tp, sequence_parallel, fp8, attention_backend, int(tokens),
-                                        None if recompute == "full" else recompute, pbytes, cuda_kernels)
+                                        None if recompute == "full" else recompute, pbytes, cuda_kernels, etp,
+                                        moe_aux_loss)
     layers_stage = s.layers // pp
     in_flight = microbatches_in_flight if microbatches_in_flight is not None else pp
     if pipeline_stage is not None:
@@ -295,6 +346,10 @@ def estimate_gpu_memory(
         act = tokens * (layers_stage * in_flight * pbytes * s.hidden / sp_div + per_layer)
     else:
         act = tokens * layers_stage * in_flight * per_layer
+    if s.experts:
+        # each MoE layer's dispatcher keeps its last micro-batch's routing; one layer's replay targets at a time
+        act += tokens * (layers_stage * dispatcher_state_bytes(s, tp, sequence_parallel)
+                         + replay_bytes(s, tp, sequence_parallel, routing_replay))
     # outside the layers (last stage, one micro-batch): the final norm's input (its output, the fused log-prob
     # op's input, is kept only at the response rows: counted in logprob_bytes), the token ids, the dense mask
     # of the local backend
@@ -304,7 +359,7 @@ def estimate_gpu_memory(
     logits = sum(logprob_bytes(s, tokens, tp, pbytes)) if last else 0.0
     # torch's foreach AdamW (no TE/Apex): one fp32 temporary per (sharded) parameter during the step
     foreach = foreach_adam and attention_backend != "te"
-    step = 4 * p_rank / (dp * cp if use_distributed_optimizer else 1) if foreach else 0.0
+    step = 4 * (p_rank - p_exp) / shard + 4 * p_exp / eshard if foreach else 0.0
 
     out = {
         "weights": weights / GiB,
@@ -318,6 +373,8 @@ def estimate_gpu_memory(
     out["total"] = (out["weights"] + out["grads"] + out["optimizer"] + out["overhead"]
                     + max(out["activations"] + out["logits"], out["optimizer_step"]))
     out["params_per_gpu_billion"] = p_rank / 1e9
+    if s.experts:
+        out["expert_params_per_gpu_billion"] = p_exp / 1e9
     return out
 
 
