@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Build the embedded default's task: a tiny Qwen2 model (HF format, warmed up on synthetic sums), its
 tokenizer, and train/eval JSONL. Usage: tools/build_tiny_model.py OUT_DIR [--seed 0] [--disjoint-train]
-[--uniform-splits]."""
+[--uniform-splits] [--moe]. --moe builds a tiny Qwen3-MoE (4 experts, top-2) for `make demo-moe`."""
 
 import argparse
 import json
@@ -27,21 +27,24 @@ def main(argv=None) -> int:
     ap.add_argument("--uniform-splits", action="store_true",
                     help="cut every split from the whole problem space in a seeded random order, so all have the "
                          "same mix of 2- and 3-term sums (default: eval, drawn first, takes most 2-term sums)")
+    ap.add_argument("--moe", action="store_true",
+                    help="a tiny Qwen3-MoE (4 experts, top-2, every layer sparse) instead of the dense Qwen2")
     args = ap.parse_args(argv)
-    from m2po_megatron.demo.tiny_model import build_tiny_task
+    from m2po_megatron.demo.tiny_model import TinyMoeSpec, build_tiny_task
 
     try:  # the builder checks its arguments before writing anything; a wrong flag is exit code 2, not a traceback
         paths = build_tiny_task(args.out_dir, seed=args.seed, target_accuracy=args.target_accuracy,
                                 max_warmup_steps=args.max_warmup_steps, check_every=args.check_every,
                                 n_train=args.n_train, n_eval=args.n_eval, n_calibration=args.n_calibration,
-                                disjoint_train=args.disjoint_train, uniform_splits=args.uniform_splits)
+                                disjoint_train=args.disjoint_train, uniform_splits=args.uniform_splits,
+                                moe=TinyMoeSpec() if args.moe else None)
     except ValueError as e:
         print(f"build_tiny_model.py: {e}", file=sys.stderr)
         return 2
     info = json.loads(open(paths.info_json).read())
     print(json.dumps({"paths": paths.__dict__, **{k: info[k] for k in (
         "warmup_steps", "eval_sampled_accuracy", "disjoint_train", "uniform_splits", "n_warmup_problems",
-        "build_seconds")}},
+        "build_seconds")}, **({k: info[k] for k in ("moe", "parameters")} if args.moe else {})},
         indent=2))
     return 0
 

@@ -1,4 +1,5 @@
 """Build the embedded default's task: tokenizer + tiny Qwen2 model warmed up on synthetic sums + data.
+With a TinyMoeSpec the model is a tiny Qwen3-MoE instead (the same task, tokenizer and warm-up; `make demo-moe`).
 
 The warm-up is supervised on worked solutions and deliberately short: it stops as soon as sampled accuracy
 (temperature 1, math-verify reward) on a calibration set reaches ``target_accuracy``, so RL starts from a
@@ -38,6 +39,19 @@ class TinyModelSpec:
     max_position_embeddings: int = 128
 
 
+@dataclass(frozen=True)
+class TinyMoeSpec:
+    """A tiny Qwen3-MoE's experts; attention, depth and width come from TinyModelSpec. Every layer is sparse (what
+    models/hf_config.py accepts). Each expert is half the dense MLP, so top-2 computes about what the dense model
+    does per token and 4 experts split evenly over EP 2."""
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
+    # Qwen3-MoE's own coefficient: load balancing that keeps the warm-up from collapsing onto one or two experts
+    # without weighing on the supervised loss (see _warmup_loss)
+    router_aux_loss_coef: float = 0.001
+
+
 def chat_prompt(tokenizer, prompt: str) -> str:
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                          add_generation_prompt=True)
@@ -69,6 +83,37 @@ def _check_reload(out: Path, tok, rows: list[dict]) -> None:
         if again(text, add_special_tokens=False)["input_ids"] != tok(text, add_special_tokens=False)["input_ids"]:
             raise RuntimeError(f"{out}: the saved tokenizer reloads as {type(again).__name__} and tokenizes "
                                "differently from the one used for the warm-up")
+
+
+def _tiny_lm(tok, model: TinyModelSpec, moe: TinyMoeSpec | None):
+    """A freshly initialised tiny causal LM for the tokenizer (seed torch first): Qwen2, or Qwen3-MoE."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(vocab_size=64 * ((len(tok) + 63) // 64), hidden_size=model.hidden_size,
+                  num_hidden_layers=model.num_hidden_layers, num_attention_heads=model.num_attention_heads,
+                  num_key_value_heads=model.num_key_value_heads, intermediate_size=model.intermediate_size,
+                  max_position_embeddings=model.max_position_embeddings, bos_token_id=tok.bos_token_id,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, rope_theta=10000.0,
+                  dtype="float32")
+    if moe is None:
+        return Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+    # Untied like every released Qwen3-MoE (and the trainer's MoE logit tests); intermediate_size is unused with
+    # every layer sparse but the config reader requires it.
+    cfg = Qwen3MoeConfig(**common, head_dim=model.hidden_size // model.num_attention_heads,
+                         num_experts=moe.num_experts, num_experts_per_tok=moe.num_experts_per_tok,
+                         moe_intermediate_size=moe.moe_intermediate_size, norm_topk_prob=True,
+                         router_aux_loss_coef=moe.router_aux_loss_coef, decoder_sparse_step=1, mlp_only_layers=[],
+                         tie_word_embeddings=False)
+    return Qwen3MoeForCausalLM(cfg)
+
+
+def _warmup_loss(lm, ids, att, lab, moe: TinyMoeSpec | None):
+    """The supervised loss. A Qwen3-MoE adds router_aux_loss_coef x its load-balancing loss only when asked for
+    the router logits: asked, because the warm-up trains the routers from random and, unbalanced, could leave
+    one expert (one EP rank) with most tokens, which would make the EP demo a lopsided one."""
+    if moe is None:
+        return lm(input_ids=ids, attention_mask=att, labels=lab).loss
+    return lm(input_ids=ids, attention_mask=att, labels=lab, output_router_logits=True).loss
 
 
 def check_split_sizes(spec: SumSpec, n_eval: int, n_calibration: int, n_train: int, disjoint_train: bool,
@@ -139,14 +184,15 @@ def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n
                     spec: SumSpec = DEFAULT_SPEC, model: TinyModelSpec = TinyModelSpec(),
                     target_accuracy: float = 0.25, max_warmup_steps: int = 600, check_every: int = 20,
                     n_calibration: int = 128, batch_size: int = 32, lr: float = 3e-3,
-                    disjoint_train: bool = False, uniform_splits: bool = False, log=print) -> TinyTaskPaths:
-    """Write tokenizer, a warmed-up tiny Qwen2 (safetensors), train/eval JSONL and build_info.json to
-    ``out_dir``; return their paths. Eval and calibration problems are disjoint from each other and
+                    disjoint_train: bool = False, uniform_splits: bool = False, moe: TinyMoeSpec | None = None,
+                    log=print) -> TinyTaskPaths:
+    """Write tokenizer, a warmed-up tiny Qwen2 (or Qwen3-MoE with ``moe``; safetensors), train/eval JSONL and
+    build_info.json to ``out_dir``; return their paths. Eval and calibration problems are disjoint from each other and
     from the warm-up and train problems. The warm-up may see the RL train problems unless
     ``disjoint_train``, which draws the warm-up from the problems left after eval, calibration and train;
     ``uniform_splits`` gives every split the same mix of 2- and 3-term sums (see task_splits)."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig
 
     from .tiny_tokenizer import build_tiny_tokenizer
 
@@ -171,15 +217,7 @@ def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n
                 r["chat_template"] = True  # a run must not wrap it again (data.apply_chat_template)
 
         torch.manual_seed(seed)
-        cfg = Qwen2Config(vocab_size=64 * ((len(tok) + 63) // 64), hidden_size=model.hidden_size,
-                          num_hidden_layers=model.num_hidden_layers,
-                          num_attention_heads=model.num_attention_heads,
-                          num_key_value_heads=model.num_key_value_heads,
-                          intermediate_size=model.intermediate_size,
-                          max_position_embeddings=model.max_position_embeddings, tie_word_embeddings=True,
-                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                          pad_token_id=tok.pad_token_id, rope_theta=10000.0, dtype="float32")
-        lm = Qwen2ForCausalLM(cfg)
+        lm = _tiny_lm(tok, model, moe)
         opt = torch.optim.AdamW(lm.parameters(), lr=lr, weight_decay=0.0)
 
         def batch(rows):
@@ -203,7 +241,7 @@ def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n
             lm.train()
             idx = [order[(step * batch_size + j) % len(order)] for j in range(batch_size)]
             ids, lab, att = batch([warm_rows[i] for i in idx])
-            loss = lm(input_ids=ids, attention_mask=att, labels=lab).loss
+            loss = _warmup_loss(lm, ids, att, lab, moe)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
@@ -235,6 +273,8 @@ def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n
                 "n_warmup_problems": len(warm_rows),
                 "build_seconds": round(time.monotonic() - t_start, 1),
                 "parameters": sum(p.numel() for p in lm.parameters())}
+        if moe is not None:  # only then: a dense build's build_info.json keeps its keys
+            info["moe"] = asdict(moe)
         (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     finally:
         torch.set_num_threads(threads)
