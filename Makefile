@@ -3,13 +3,22 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-sglang setup clean toy-table1 toy-table1-fair toy-calibration
+.PHONY: demo demo-moe test test-sglang setup clean toy-table1 toy-table1-fair toy-calibration
 
 setup:
 	@VENV=$(VENV) tools/bootstrap.sh
 
 demo: setup
 	$(PY) -m m2po_megatron.cli demo
+
+# The embedded default for mixture-of-experts (recipes/tiny-moe-cpu.yaml, docs/moe.md): the same task with a tiny
+# Qwen3-MoE built once under .cache/tiny-task-moe, two ranks with expert parallel 2, R3 routing replay. Resumable:
+# a second call continues an interrupted run or, finished, only reports it.
+demo-moe: setup
+	@test -f .cache/tiny-task-moe/build_info.json || $(PY) tools/build_tiny_model.py .cache/tiny-task-moe --seed 0 \
+		--target-accuracy 0.4 --moe
+	$(PY) -m m2po_megatron.cli train recipes/tiny-moe-cpu.yaml --resume auto
+	$(PY) -m m2po_megatron.cli plot runs/tiny-moe-cpu --out runs/tiny-moe-cpu/plot.png
 
 # Table 1 at toy scale on this machine (docs/reproduce.md): 15 runs, 2 at a time, resumable; then the report.
 toy-table1: setup
