@@ -32,7 +32,7 @@ def routing_spec(cfg) -> Optional[RoutingSpec]:
         return None
     from m2po_megatron.models.hf_config import read_hf_config
 
-    spec = read_hf_config(cfg.model.hf_path)
+    spec = read_hf_config(cfg.model.hf_path or cfg.model.hf_config)  # the planner's recipes name hf_config only
     if not spec.is_moe:
         return None
     return RoutingSpec(spec.num_layers, spec.num_experts_per_tok, spec.num_experts)

@@ -103,7 +103,7 @@ ALLOWED = {
     "actor": {"algo", "infra", "models"},
     "eval": {"data", "reward"},
     "convert": {"actor", "infra", "models"},
-    "rollout": {"actor", "algo", "contracts", "data", "infra", "staleness"},
+    "rollout": {"actor", "algo", "contracts", "data", "infra", "models", "staleness"},
     "demo": {"eval", "reward"},
     "config": {"actor", "algo", "data", "models", "rollout"},
     "run": {"actor", "config", "convert", "data", "eval", "infra", "rollout"},
