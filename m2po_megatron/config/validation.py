@@ -310,6 +310,8 @@ _TINY_TASK_BUILDERS = {
     ".cache/tiny-task-toy": "`make toy-table1` (or `python tools/build_tiny_model.py .cache/tiny-task-toy --seed 0 "
                            "--target-accuracy 0.4`)",
     ".cache/tiny-task-fair": "`make toy-table1-fair` (its first line builds it: see the Makefile)",
+    ".cache/tiny-task-moe": "`make demo-moe` (or `python tools/build_tiny_model.py .cache/tiny-task-moe --seed 0 "
+                            "--target-accuracy 0.4 --moe`)",
 }
 
 

@@ -246,6 +246,8 @@ def test_a_missing_tiny_task_names_the_command_that_builds_that_directory(tmp_pa
     fair = [o.replace("tiny-task-toy", "tiny-task-fair") for o in toy]
     assert "the tiny task .cache/tiny-task-fair is built by `make toy-table1-fair`" in err(tmp_path, fair,
                                                                                           recipe="tiny-cpu")
+    msg = err(tmp_path, recipe="tiny-moe-cpu")  # a MoE task: the builder's --moe, not a dense model
+    assert "the tiny task .cache/tiny-task-moe is built by `make demo-moe`" in msg and "--moe" in msg
     other = [o.replace("tiny-task-toy", "tiny-task-seed3") for o in toy]
     msg = err(tmp_path, other, recipe="tiny-cpu")
     assert "`python tools/build_tiny_model.py .cache/tiny-task-seed3 --seed 0`" in msg
