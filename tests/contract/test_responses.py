@@ -42,16 +42,6 @@ def _sglang_answer(tm, finish, spans, out_ids, logprobs):
     return orjson.loads(orjson.dumps(state.out_list[-1]))  # as the route serialises it
 
 
-@pytest.fixture
-def tm(sglang_http):
-    """The harness's TokenizerManager, with a request table of its own for these requests."""
-    tm = sglang_http.tm
-    saved = tm.rid_to_state
-    tm.rid_to_state = {}
-    yield tm
-    tm.rid_to_state = saved
-
-
 def test_client_reads_sglangs_answer(tm):
     answer = _sglang_answer(tm, {"type": "length", "length": 4}, [("3", 0, 2), ("4", 2, 4)], [7, 8, 9, 10],
                             [-0.5, -1.0, -1.5, -2.0])

@@ -19,7 +19,6 @@ import torch
 from m2po_megatron.rollout import _http, routing
 from m2po_megatron.rollout.client import RolloutClient, build_batch_body, build_generate_body
 from m2po_megatron.rollout.launcher import ServerSpec, build_command
-from tests.contract.conftest import CONTEXT
 
 pytestmark = pytest.mark.timeout(300)
 L, K, E = 2, 2, 4  # tests/rollout/conftest.py make_tiny_qwen3_moe
@@ -113,15 +112,6 @@ def _answer(tm, routed, *, detokenized: bool):
     return orjson.loads(orjson.dumps(state.out_list[-1]))
 
 
-@pytest.fixture
-def tm(sglang_http):
-    tm = sglang_http.tm
-    saved = tm.rid_to_state
-    tm.rid_to_state = {}
-    yield tm
-    tm.rid_to_state = saved
-
-
 @pytest.mark.parametrize("detokenized", [False, True], ids=["skip_tokenizer_init", "detokenizer"])
 def test_client_decodes_what_sglang_writes(tm, detokenized):
     from sglang.srt.state_capturer.routed_experts import extract_routed_experts_from_meta_info
@@ -142,32 +132,15 @@ def test_client_decodes_what_sglang_writes(tm, detokenized):
 @pytest.fixture(scope="module")
 def moe_cpu_server(tmp_path_factory):
     """The CPU server (project environment) on a tiny Qwen3-MoE, started with --enable-return-routed-experts."""
-    from m2po_megatron.infra.net import free_port
-    from m2po_megatron.rollout.launcher import wait_healthy
+    from tests.contract.conftest import project_python, running_cpu_server
 
-    python = os.environ.get("M2PO_PROJECT_PYTHON")
-    if not python:
-        pytest.fail("M2PO_PROJECT_PYTHON is not set: run the contract suite with `make test-sglang`")
     model = tmp_path_factory.mktemp("tiny_qwen3_moe")
-    subprocess.run([python, "-c", "import sys; from tests.rollout.conftest import make_tiny_qwen3_moe; "
+    subprocess.run([project_python(), "-c", "import sys; from tests.rollout.conftest import make_tiny_qwen3_moe; "
                     "make_tiny_qwen3_moe(sys.argv[1])", str(model)], check=True, timeout=240,
                    env=dict(os.environ, PYTHONPATH=os.getcwd()))
-    spec = ServerSpec(model_path=str(model), engine="local", port=free_port("127.0.0.1"), context_length=CONTEXT,
-                      enable_deterministic_inference=True, random_seed=0, enable_return_routed_experts=True)
-    log_path = tmp_path_factory.mktemp("logs") / "moe_cpu_server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(build_command(spec, python=python), stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{spec.port}"
-    try:
-        wait_healthy(url, timeout_s=180, proc=proc, log_path=str(log_path))
+    with running_cpu_server(model, tmp_path_factory.mktemp("logs") / "moe_cpu_server.log",
+                            enable_return_routed_experts=True) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
 
 
 def test_cpu_server_answers_as_sglang(tm, moe_cpu_server):
