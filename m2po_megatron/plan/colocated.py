@@ -45,8 +45,8 @@ def colocated(cfg: DictConfig, gpus: int, gpus_per_node: int, gpu: str, *, seeds
     the shortest, then the least memory; each rollout TP is simulated."""
     from m2po_megatron.config import model_hf_config
     from m2po_megatron.models.memory import model_shape, param_count
-    from m2po_megatron.plan.search import (SIZES, Candidate, _mean_of, _simulate_all, layout_costs, spec_from_config,
-                                           trainer_memory)
+    from m2po_megatron.plan.search import (SIZES, Candidate, _expert_overrides, _mean_of, _simulate_all,
+                                           expert_sizes, layout_costs, spec_from_config, trainer_memory)
 
     mode = cfg.staleness.mode if cfg.staleness.mode in ("on_policy", "fixed_lag") else "on_policy"
     c = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"staleness.mode={mode}"]))
@@ -61,16 +61,18 @@ def colocated(cfg: DictConfig, gpus: int, gpus_per_node: int, gpu: str, *, seeds
         for pp in SIZES:
             if tp > gpus_per_node or heads % tp or layers % pp or gpus % (tp * pp):
                 continue
-            lay = Layout(tp, pp, gpus // (tp * pp), 1, gpus)
-            est = trainer_memory(c, hf, lay)
-            if est is None or est["total"] > mem_gb:
-                continue
-            costs = layout_costs(c, shape, params, lay, gpu, probe, gpus_per_node, efficiency, same_node_sync=True)
-            swap = swap_s(est["weights"] + est["grads"] + est["optimizer"], gpu, efficiency)
-            t = costs.train_s(step_tokens, probe.updates_per_step, probe.logprob_pass) + swap
-            key = (round(t, 3), est["total"])
-            if best_trainer is None or key < best_trainer[0]:
-                best_trainer = (key, lay, est, swap)
+            for ep in expert_sizes(hf, gpus // pp):
+                lay = Layout(tp, pp, gpus // (tp * pp), 1, gpus, ep)
+                est = trainer_memory(c, hf, lay)
+                if est is None or est["total"] > mem_gb:
+                    continue
+                costs = layout_costs(c, shape, params, lay, gpu, probe, gpus_per_node, efficiency,
+                                     same_node_sync=True)
+                swap = swap_s(est["weights"] + est["grads"] + est["optimizer"], gpu, efficiency)
+                t = costs.train_s(step_tokens, probe.updates_per_step, probe.logprob_pass) + swap
+                key = (round(t, 3), est["total"])
+                if best_trainer is None or key < best_trainer[0]:
+                    best_trainer = (key, lay, est, swap)
     if best_trainer is None:
         return None
     _, tlay, est, swap = best_trainer
@@ -78,10 +80,11 @@ def colocated(cfg: DictConfig, gpus: int, gpus_per_node: int, gpu: str, *, seeds
     for rtp in SIZES:
         if rtp > gpus_per_node or heads % rtp or gpus % rtp:
             continue
-        lay = Layout(tlay.tp, tlay.pp, tlay.dp, rtp, gpus // rtp)
+        lay = Layout(tlay.tp, tlay.pp, tlay.dp, rtp, gpus // rtp, tlay.ep)
         cand = Candidate(lay, {"staleness.mode": mode, "parallel.tensor_model_parallel_size": lay.tp,
                                "parallel.pipeline_model_parallel_size": lay.pp, "parallel.data_parallel_size": lay.dp,
-                               "rollout.tp_size": rtp, "rollout.num_servers": lay.num_servers}, est["total"])
+                               "rollout.tp_size": rtp, "rollout.num_servers": lay.num_servers,
+                               **_expert_overrides(hf, lay.tp, lay.ep)}, est["total"])
         cand.spec = spec_from_config(c, num_servers=lay.num_servers, response=response, prompt_len=prompt_len)
         # the weights reach the engine in place: the sync's NVLink path
         base = layout_costs(c, shape, params, lay, gpu, cand.spec, gpus_per_node, efficiency, same_node_sync=True)

@@ -41,6 +41,16 @@ Using Megatron-LM" (2021), count the logit layer's FLOPs and not the lookup's: s
 - **Weight sync**: `sync_fixed_s + bytes x sync_per_byte_s`, bytes = 2 N (every weight, bf16) over NVLink per
   direction when the servers share the trainer's node, else one InfiniBand NIC (the sender is trainer rank 0).
 
+Mixture-of-experts models (Qwen3-MoE): FLOPs (training, decode, prefill) count the *active* matmul parameters
+(attention, the router, the top-k experts, the output layer: `inactive_expert_params` less), memory, the
+optimizer and the weight sync *all* of them. The trainer runs expert parallelism EP with expert tensor parallel 1
+(`Layout.ep`); its token dispatch adds two all-to-alls per layer forward and two backward, each k copies of a
+token's hidden state in bf16, (EP - 1) / EP of them leaving the rank, over NVLink when the EP group fits a node,
+else InfiniBand, not overlapped; the tensor-parallel traffic is then only attention's (4 collectives per layer).
+Expert gradients reduce over expert-data-parallel (TP x DP / EP ranks). A decode step of B sequences reads the
+non-expert weights and the experts its tokens chose: per layer E x (1 - (1 - k/E)^B) experts expected
+(`Costs.weights_s`), all of them once B is large.
+
 A `Costs` is built from hardware figures (`from_hardware`, the roofline) or fitted on a run's timeline
 (plan/calibrate.py: a least-squares fit of the sum form, `decode_roofline=False`, `decode_weights_s=0`)."""
 from __future__ import annotations
@@ -51,8 +61,8 @@ from typing import Optional
 
 from m2po_megatron.plan.hardware import EFFICIENCY, GPUS, Gpu
 
-__all__ = ["Costs", "GRAD_BYTES", "Layout", "attention_flops", "efficiency_of", "from_hardware", "kv_bytes_per_gpu",
-           "matmul_params"]
+__all__ = ["Costs", "GRAD_BYTES", "Layout", "attention_flops", "efficiency_of", "expert_params", "from_hardware",
+           "inactive_expert_params", "kv_bytes_per_gpu", "matmul_params"]
 
 GRAD_BYTES = 4  # actor/optim.py wraps megatron-core's DDP with grad_reduce_in_fp32=True: fp32 gradient buffers
 PARAM_BYTES = 2  # bf16 weights: what the servers hold, the sync sends and the distributed optimizer gathers
@@ -84,6 +94,18 @@ class Costs:
     # fixed + max(compute, memory) (from_hardware) or the sum of its terms (a calibration's linear fit).
     decode_weights_s: float = 0.0
     decode_roofline: bool = False
+    # Mixture of experts: the time to read every routed expert's weights once, and k / E (top-k of E experts).
+    # A decode step of B sequences reads the experts its tokens chose: expected E x (1 - (1 - k/E)^B) per
+    # layer (each token picks k of E; taken as independent and uniform), so the read grows with B up to all.
+    decode_expert_s: float = 0.0
+    expert_frac: float = 0.0
+
+    def weights_s(self, batch: float) -> float:
+        """The weights one decode step of `batch` sequences reads, in seconds: decode_weights_s, plus the
+        experts its tokens touch (MoE)."""
+        if not self.decode_expert_s:
+            return self.decode_weights_s
+        return self.decode_weights_s + self.decode_expert_s * (1 - (1 - self.expert_frac) ** max(batch, 1))
 
     def speed(self, busy: int) -> float:
         """Speed of each busy thread, relative to running alone, when `busy` threads are busy."""
@@ -99,14 +121,14 @@ class Costs:
     def decode_step_s(self, batch: float, kv: float) -> float:
         """One decode step of `batch` sequences holding `kv` KV tokens."""
         compute = batch * self.decode_per_seq_s
-        memory = self.decode_weights_s + kv * self.decode_per_kv_s
+        memory = self.weights_s(batch) + kv * self.decode_per_kv_s
         return self.decode_fixed_s + (max(compute, memory) if self.decode_roofline else compute + memory)
 
     def _compute_steps(self, batch: int, kv0: float) -> float:
         """Roofline: how many leading steps the compute side bounds (the memory side grows by batch KV tokens
         a step and overtakes it); math.inf when it never does."""
         c = batch * self.decode_per_seq_s
-        m0 = self.decode_weights_s + kv0 * self.decode_per_kv_s
+        m0 = self.weights_s(batch) + kv0 * self.decode_per_kv_s
         if c < m0:
             return 0
         g = batch * self.decode_per_kv_s
@@ -119,11 +141,11 @@ class Costs:
         (a constant cost), then memory-bound ones (an arithmetic series); a fractional `steps` interpolates."""
         f, g = self.decode_fixed_s, batch * self.decode_per_kv_s
         if not self.decode_roofline:
-            per_step = f + self.decode_weights_s + batch * self.decode_per_seq_s
+            per_step = f + self.weights_s(batch) + batch * self.decode_per_seq_s
             kv_sum = steps * kv0 + batch * steps * (steps - 1) / 2
             return steps * per_step + kv_sum * self.decode_per_kv_s
         j = min(steps, self._compute_steps(batch, kv0))
-        m0 = self.decode_weights_s + kv0 * self.decode_per_kv_s
+        m0 = self.weights_s(batch) + kv0 * self.decode_per_kv_s
         memory = (steps - j) * m0 + g * (steps * (steps - 1) - j * (j - 1)) / 2 if steps > j else 0.0
         return steps * f + j * batch * self.decode_per_seq_s + memory
 
@@ -146,20 +168,21 @@ class Costs:
     def _steps_guess(self, dt: float, batch: int, kv0: float) -> int:
         f, v = self.decode_fixed_s, self.decode_per_kv_s
         if not self.decode_roofline:
-            a = f + self.decode_weights_s + batch * self.decode_per_seq_s + v * (kv0 - batch / 2)
+            a = f + self.weights_s(batch) + batch * self.decode_per_seq_s + v * (kv0 - batch / 2)
             return _series_steps(dt, a, v * batch / 2)
         j, a1 = self._compute_steps(batch, kv0), f + batch * self.decode_per_seq_s
         if j > 0 and (j == math.inf or dt < j * a1):
             return int(dt / a1) if a1 > 0 else _MANY
         kv1 = kv0 + j * batch  # the memory-bound steps: the sum form's series from here, without compute
-        a = f + self.decode_weights_s + v * (kv1 - batch / 2)
+        a = f + self.weights_s(batch) + v * (kv1 - batch / 2)
         return j + _series_steps(dt - j * a1, a, v * batch / 2)
 
     def decode_lb(self, tokens: float, kv_sum: float, steps: float) -> float:
         """A lower bound on the decode time of any schedule on one server that generates `tokens` tokens in
         at least `steps` decode steps, `kv_sum` being the sum over its steps of the KV tokens held. Sum form:
-        exactly the sum of its steps' costs. Roofline: a sum of maxima is at least the maximum of the sums."""
-        f, w = self.decode_fixed_s, self.decode_weights_s
+        exactly the sum of its steps' costs. Roofline: a sum of maxima is at least the maximum of the sums. MoE:
+        each step reads at least the experts of one sequence (weights_s(1)), whatever the batch."""
+        f, w = self.decode_fixed_s, self.weights_s(1)
         compute, memory = tokens * self.decode_per_seq_s, steps * w + kv_sum * self.decode_per_kv_s
         return steps * f + (max(compute, memory) if self.decode_roofline else compute + memory)
 
@@ -178,13 +201,15 @@ def _series_steps(dt: float, a: float, c: float) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """A split of the cluster: trainer TP x PP x DP, and rollout servers of rollout_tp GPUs each."""
+    """A split of the cluster: trainer TP x PP x DP, and rollout servers of rollout_tp GPUs each. ep: the
+    trainer's expert-parallel size (MoE models; expert tensor parallel 1)."""
 
     tp: int
     pp: int
     dp: int
     rollout_tp: int
     num_servers: int
+    ep: int = 1
 
     @property
     def trainer_gpus(self) -> int:
@@ -199,6 +224,20 @@ def matmul_params(shape, params: int) -> int:
     """N_mm: the parameters FLOPs count. The input embedding is a lookup; the output projection is a matmul,
     also when it shares the embedding's table (tied: `params` counts that table once, as the projection)."""
     return params if shape.tied else params - shape.vocab * shape.hidden
+
+
+def inactive_expert_params(shape) -> int:
+    """The routed experts' parameters a token does not go through: (E - k) of each MoE layer's E experts
+    (0 for a dense model). Training and decode FLOPs count the active parameters, memory and the weight sync
+    all of them."""
+    experts = getattr(shape, "experts", 0)
+    return shape.layers * (experts - shape.topk) * 3 * shape.hidden * shape.expert_ffn if experts else 0
+
+
+def expert_params(shape) -> int:
+    """Every routed expert's parameters (0 for a dense model)."""
+    experts = getattr(shape, "experts", 0)
+    return shape.layers * experts * 3 * shape.hidden * shape.expert_ffn if experts else 0
 
 
 def attention_flops(shape, context: float) -> float:
@@ -220,10 +259,13 @@ class _Work:
     hbm: float  # B/s
     train_tok_at_peak_s: float  # per token, on the trainer's GPUs together, bubble included, MFU 1
     tp_bytes_tok: float  # tensor-parallel activation traffic per token (forward and backward), per rank
+    a2a_bytes_tok: float  # MoE token dispatch (all-to-all) per token (forward and backward), per rank
+    a2a_link: float  # B/s per direction
     opt_bytes: float  # the optimizer's HBM traffic per GPU per update
     dp_bytes: float  # data-parallel collectives per rank per update
     dp_link: float  # B/s per direction
-    read_bytes: float  # weights read per GPU per decode step
+    read_bytes: float  # weights read per GPU per decode step (MoE: all but the routed experts)
+    expert_bytes: float  # every routed expert's weights per GPU (MoE; a step reads those its tokens chose)
     kv_bytes: float  # per KV token per GPU
     flops_seq: float  # per GPU per decode step per sequence (and per prompt token in prefill)
     kv_pool: float  # bytes per GPU for the KV cache
@@ -236,13 +278,14 @@ def _work(shape, params: int, layout: Layout, g: Gpu, *, micro_batches: int, mea
           use_distributed_optimizer: bool, grad_bytes: int) -> _Work:
     peak, hbm = g.bf16_tflops * 1e12, g.hbm_tb_s * 1e12
     n_mm = matmul_params(shape, params)
-    bf16_flops = 6 * n_mm + attention_flops(shape, mean_context)
+    n_act = n_mm - inactive_expert_params(shape)  # a token's matmuls run through its top-k experts only
+    bf16_flops = 6 * n_act + attention_flops(shape, mean_context)
     fp8_s = 0.0
     if fp8:
         if g.fp8_tflops is None:
             raise ValueError(f"model.fp8 is set, but the {g.name} has no FP8 Tensor Cores: unset model.fp8 "
                              "(train in BF16) or plan for a GPU with FP8 (h100, h200)")
-        layers_mm = n_mm - shape.vocab * shape.hidden  # the output layer stays BF16 (megatron-core's own linear)
+        layers_mm = n_act - shape.vocab * shape.hidden  # the output layer stays BF16 (megatron-core's own linear)
         fp8_s = 6 * layers_mm / (g.fp8_tflops * 1e12)
         bf16_flops -= 6 * layers_mm
     bubble = 1 + (layout.pp - 1) / max(micro_batches, 1)
@@ -250,14 +293,31 @@ def _work(shape, params: int, layout: Layout, g: Gpu, *, micro_batches: int, mea
     # tensor parallelism moves every token's activations: per layer an all-gather and a reduce-scatter (or an
     # all-reduce, the same bytes) around attention and around the MLP, forward and again backward, each
     # (TP - 1) / TP of hidden x 2 bytes per rank; a stage holds layers / PP, a replica sees 1 / DP of the tokens
+    # (MoE with expert tensor parallel 1: around attention only; the experts take the sequence-parallel shard)
     tp = layout.tp
-    tp_bytes = (shape.layers / layout.pp) * 8 * (tp - 1) / tp * shape.hidden * PARAM_BYTES * bubble / layout.dp
+    moe = bool(getattr(shape, "experts", 0))
+    tp_bytes = (shape.layers / layout.pp) * (4 if moe else 8) * (tp - 1) / tp * shape.hidden * PARAM_BYTES * bubble \
+        / layout.dp
+    # MoE token dispatch: per layer each token's k copies of its hidden state go to their experts and come
+    # back (two all-to-alls forward, two again backward), (EP - 1) / EP of them to other ranks; a rank
+    # dispatches its sequence-parallel share (1 / TP) of its replica's tokens. The expert-parallel group is
+    # EP consecutive ranks (megatron-core's order): NVLink when they fit a node, else InfiniBand
+    ep = layout.ep
+    a2a_bytes = (shape.layers / layout.pp) * 4 * shape.topk * shape.hidden * PARAM_BYTES * (ep - 1) / ep * bubble \
+        / (layout.dp * tp) if moe and ep > 1 else 0.0
     model_parallel = layout.tp * layout.pp
     dp = layout.dp
     owned = params / (layout.trainer_gpus if use_distributed_optimizer else model_parallel)
     shard = params / model_parallel  # one rank's parameters, the size of its gradient buffer
-    if dp <= 1:
+    if dp <= 1 and not moe:
         dp_bytes = 0.0
+    elif moe:  # dense and expert parameters reduce over their own groups: DP, and expert-DP = TP x DP / EP
+        experts = expert_params(shape)
+        parts = (((params - experts) / model_parallel, dp), (experts / (layout.pp * ep), tp * dp // ep))
+        per_byte = grad_bytes + PARAM_BYTES if use_distributed_optimizer else 2 * grad_bytes
+        dp_bytes = sum((n - 1) / n * sh * per_byte for sh, n in parts if n > 1)
+        if not use_distributed_optimizer:  # each rank owns its whole shard: the experts of its EP rank
+            owned = (params - experts) / model_parallel + experts / (layout.pp * ep)
     elif use_distributed_optimizer:  # reduce-scatter the gradients, all-gather the updated parameters
         dp_bytes = (dp - 1) / dp * shard * (grad_bytes + PARAM_BYTES)
     else:  # all-reduce the gradients
@@ -266,10 +326,14 @@ def _work(shape, params: int, layout: Layout, g: Gpu, *, micro_batches: int, mea
     rtp = layout.rollout_tp
     weights = params * PARAM_BYTES
     kv = kv_bytes_per_gpu(shape, rtp)
+    experts_read = expert_params(shape) * PARAM_BYTES / rtp  # the servers split each expert over their TP
     return _Work(
-        peak=peak, hbm=hbm, train_tok_at_peak_s=train_tok, tp_bytes_tok=tp_bytes, opt_bytes=32 * owned, dp_bytes=dp_bytes,
+        peak=peak, hbm=hbm, train_tok_at_peak_s=train_tok, tp_bytes_tok=tp_bytes, a2a_bytes_tok=a2a_bytes,
+        a2a_link=(g.nvlink_gb_s if ep <= gpus_per_node else g.ib_gb_s_per_gpu) * 1e9,
+        opt_bytes=32 * owned, dp_bytes=dp_bytes,
         dp_link=(g.nvlink_gb_s if one_node else g.ib_gb_s_per_gpu) * 1e9,
-        read_bytes=n_mm * PARAM_BYTES / rtp, kv_bytes=kv, flops_seq=2 * n_mm / rtp,
+        read_bytes=n_mm * PARAM_BYTES / rtp - experts_read, expert_bytes=experts_read, kv_bytes=kv,
+        flops_seq=2 * n_act / rtp,
         kv_pool=max(g.memory_gb * 1e9 * mem_fraction_static - weights / rtp, 0.0), weight_bytes=weights,
         sync_link=(g.nvlink_gb_s if same_node_sync else g.ib_gb_s_per_gpu) * 1e9)
 
@@ -296,6 +360,8 @@ def from_hardware(shape, params: int, layout: Layout, gpu: Gpu | str, *, micro_b
               grad_bytes=grad_bytes)
     train_tok = w.train_tok_at_peak_s / eff["mfu"]
     tp_comm = w.tp_bytes_tok / (g.nvlink_gb_s * 1e9 * eff["link"])  # not overlapped (no tp_comm_overlap)
+    if w.a2a_bytes_tok:  # MoE dispatch, not overlapped either (megatron's a2a overlap is off)
+        tp_comm += w.a2a_bytes_tok / (w.a2a_link * eff["link"])
     hbm = w.hbm * eff["hbm"]
     rtp = layout.rollout_tp
     return Costs(
@@ -313,6 +379,8 @@ def from_hardware(shape, params: int, layout: Layout, gpu: Gpu | str, *, micro_b
         weight_bytes=w.weight_bytes,
         decode_weights_s=w.read_bytes / hbm,
         decode_roofline=True,
+        decode_expert_s=w.expert_bytes / hbm,
+        expert_frac=shape.topk / shape.experts if getattr(shape, "experts", 0) else 0.0,
         source=f"{g.name} datasheet{', FP8' if fp8 else ''}, efficiencies {eff}",
     )
 
@@ -332,6 +400,8 @@ def efficiency_of(costs: Costs, shape, params: int, layout: Layout, gpu: Gpu | s
     if costs.sync_s() > EFFICIENCY["sync_fixed_s"]:
         out["link"] = w.weight_bytes / (w.sync_link * (costs.sync_s() - EFFICIENCY["sync_fixed_s"]))
     tp_comm = w.tp_bytes_tok / (g.nvlink_gb_s * 1e9 * out.get("link", EFFICIENCY["link"]))
+    if w.a2a_bytes_tok:
+        tp_comm += w.a2a_bytes_tok / (w.a2a_link * out.get("link", EFFICIENCY["link"]))
     if costs.train_per_token_s > tp_comm:
         out["mfu"] = w.train_tok_at_peak_s / (costs.train_per_token_s - tp_comm)
     if has_engine and costs.decode_per_kv_s > 0:

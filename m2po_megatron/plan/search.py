@@ -3,7 +3,8 @@ memory estimate, simulate them (plan/sim.py) and rank them by predicted trained 
 
 Splits: with two or more nodes, whole nodes train and whole nodes generate (cluster.trainer_nodes and
 rollout_nodes); on one node, GPUs are split within it (cluster.trainer_gpus_per_node, the servers on the rest). Trainer layouts: TP and PP in {1, 2, 4, 8} (TP within a
-node), DP the rest. Servers: rollout.tp_size in {1, 2, 4, 8} within a node, as many servers as fit. In
+node), DP the rest; a mixture-of-experts model adds expert parallelism EP (expert_sizes), with sequence
+parallelism wherever TP > 1 (megatron-core needs it for MoE). Servers: rollout.tp_size in {1, 2, 4, 8} within a node, as many servers as fit. In
 bounded mode, staleness.sync_interval takes each multiple of updates_per_step the controller accepts; the
 staleness window itself is the recipe's (it is part of the algorithm, not of the layout)."""
 from __future__ import annotations
@@ -59,6 +60,19 @@ def _divides(n: int, k: int) -> bool:
     return k <= n and n % k == 0
 
 
+def expert_sizes(hf: dict, stage_ranks: int) -> list[int]:
+    """The expert-parallel sizes to try: [1] for a dense model; for a MoE model every divisor of num_experts that
+    divides the ranks of a pipeline stage. Expert tensor parallel stays 1: megatron-core's guidance for
+    fine-grained experts (Qwen3-30B-A3B's 768-wide experts would make thin GEMMs split further, and ETP 1
+    spares the experts the tensor-parallel all-gather), so EP alone divides the experts."""
+    from m2po_megatron.config.validation import moe_dims
+
+    experts, _ = moe_dims(hf)
+    if not experts:
+        return [1]
+    return [e for e in range(1, experts + 1) if experts % e == 0 and stage_ranks % e == 0]
+
+
 def layouts(cfg: DictConfig, gpus: int, gpus_per_node: int) -> list[tuple[Layout, dict]]:
     """Every split and layout of `gpus` with its recipe overrides (not yet validated)."""
     from m2po_megatron.config import model_hf_config
@@ -83,20 +97,33 @@ def layouts(cfg: DictConfig, gpus: int, gpus_per_node: int) -> list[tuple[Layout
                 for rtp in SIZES:
                     if not (_divides(gpus_per_node, rtp) and _divides(heads, rtp) and rg % rtp == 0):
                         continue
-                    lay = Layout(tp, pp, tg // (tp * pp), rtp, rg // rtp)
-                    for si in _sync_intervals(cfg):
-                        ov = {"parallel.tensor_model_parallel_size": tp, "parallel.pipeline_model_parallel_size": pp,
-                              "parallel.data_parallel_size": lay.dp, "rollout.tp_size": rtp,
-                              "rollout.num_servers": lay.num_servers, "cluster.trainer_nodes": tn,
-                              "cluster.rollout_nodes": rn, "cluster.gpus_per_node": gpus_per_node}
-                        if rn == 0:
-                            ov["cluster.trainer_gpus_per_node"] = tg
-                        if tp == 1:
-                            ov["parallel.sequence_parallel"] = False
-                        if si is not None:
-                            ov["staleness.sync_interval"] = si
-                        out.append((lay, ov))
+                    for ep in expert_sizes(hf, tg // pp):
+                        lay = Layout(tp, pp, tg // (tp * pp), rtp, rg // rtp, ep)
+                        for si in _sync_intervals(cfg):
+                            ov = {"parallel.tensor_model_parallel_size": tp,
+                                  "parallel.pipeline_model_parallel_size": pp, "parallel.data_parallel_size": lay.dp,
+                                  "rollout.tp_size": rtp, "rollout.num_servers": lay.num_servers,
+                                  "cluster.trainer_nodes": tn, "cluster.rollout_nodes": rn,
+                                  "cluster.gpus_per_node": gpus_per_node}
+                            if rn == 0:
+                                ov["cluster.trainer_gpus_per_node"] = tg
+                            if tp == 1:
+                                ov["parallel.sequence_parallel"] = False
+                            ov.update(_expert_overrides(hf, tp, ep))
+                            if si is not None:
+                                ov["staleness.sync_interval"] = si
+                            out.append((lay, ov))
     return out
+
+
+def _expert_overrides(hf: dict, tp: int, ep: int) -> dict:
+    """A MoE layout's expert settings (EP, ETP 1, sequence parallelism at TP > 1); nothing for a dense model."""
+    from m2po_megatron.config.validation import moe_dims
+
+    if not moe_dims(hf)[0]:
+        return {}
+    return {"parallel.expert_model_parallel_size": ep, "parallel.expert_tensor_parallel_size": 1,
+            "parallel.sequence_parallel": tp > 1}
 
 
 def check(cfg: DictConfig, overrides: dict) -> Optional[str]:
@@ -201,14 +228,23 @@ def trainer_memory(cfg: DictConfig, hf: dict, lay: Layout) -> Optional[dict]:
     built (a layout the model's shape does not divide)."""
     from m2po_megatron.models.memory import estimate_gpu_memory
 
+    from m2po_megatron.config.validation import moe_dims
+
     p = cfg.parallel
+    moe = {}
+    sp = p.sequence_parallel and lay.tp > 1
+    if moe_dims(hf)[0]:  # the layout's expert settings (_expert_overrides)
+        sp = lay.tp > 1
+        moe = dict(expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=1,
+                   moe_aux_loss=cfg.model.moe_aux_loss_coeff > 0, routing_replay=cfg.algo.routing_replay)
     try:
         return estimate_gpu_memory(hf, micro_batch_tokens=cfg.train.micro_batch_tokens,
                                    tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
                                    data_parallel_size=lay.dp, use_distributed_optimizer=p.use_distributed_optimizer,
                                    params_dtype="bf16" if cfg.model.params_dtype == "auto" else cfg.model.params_dtype,
-                                   fp8=bool(cfg.model.fp8), sequence_parallel=p.sequence_parallel and lay.tp > 1,
-                                   recompute=p.recompute_granularity, context_parallel_size=p.context_parallel_size)
+                                   fp8=bool(cfg.model.fp8), sequence_parallel=sp,
+                                   recompute=p.recompute_granularity, context_parallel_size=p.context_parallel_size,
+                                   **moe)
     except ValueError:
         return None
 
