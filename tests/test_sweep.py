@@ -54,18 +54,13 @@ def test_table1_validates_and_groups_runs_by_node_count():
 @pytest.mark.parametrize("recipe", MODELS, ids=[p.stem for p in MODELS])
 def test_paper_recipe_fits_80gb_per_gpu(recipe):
     from m2po_megatron.config import load_config, model_hf_config
-    from m2po_megatron.models.memory import estimate_gpu_memory
+    from m2po_megatron.config.validation import estimate_memory
 
     cfg = load_config(recipe, check_files=False)  # the weights are not on this machine
     hf = model_hf_config(cfg)
     assert hf is not None, "model.hf_config must point at the bundled config.json"
     p = cfg.parallel
-    est = estimate_gpu_memory(hf, micro_batch_tokens=cfg.train.micro_batch_tokens,
-                              tensor_model_parallel_size=p.tensor_model_parallel_size,
-                              pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-                              data_parallel_size=p.data_parallel_size,
-                              use_distributed_optimizer=p.use_distributed_optimizer,
-                              fp8=bool(cfg.model.fp8), sequence_parallel=p.sequence_parallel)
+    est = estimate_memory(cfg, hf)  # what `m2po config` estimates: recompute and expert parallelism included
     assert est["total"] < 80
     assert cfg.cluster.gpu_memory_gb == 80 and cfg.cluster.gpus_per_node == 8
     assert cfg.cluster.trainer_nodes * 8 == (p.tensor_model_parallel_size * p.pipeline_model_parallel_size

@@ -86,8 +86,12 @@ def test_bad_input_exits_2_before_any_work(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.skipif(os.environ.get("M2PO_REHEARSE_ALL") != "1", reason="every recipe: set M2PO_REHEARSE_ALL=1")
-@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes" / "paper").glob("*.yaml")
-                                          if p.name != "base.yaml"))
+@pytest.mark.parametrize("recipe", [
+    pytest.param(p.name, marks=pytest.mark.skip(reason="Qwen3-30B-A3B's recipe is not rehearsed yet: it has no "
+                                                       "second layout in benchmarks/rehearse_recipes.OTHER and the "
+                                                       "MoE model builder is still being extended"))
+    if p.name == "qwen3-30b-a3b.yaml" else p.name
+    for p in sorted((REPO / "recipes" / "paper").glob("*.yaml")) if p.name != "base.yaml"])
 def test_every_paper_recipe(recipe):
     sys.path.insert(0, str(REPO / "benchmarks"))
     from rehearse_recipes import OTHER
