@@ -98,8 +98,10 @@ def fake_rank(tp: int, pp: int, pp_rank: int, tp_rank: int) -> Iterator[None]:
     rank, megatron's order with DP = CP = 1); everything undone on exit."""
     from megatron.core import parallel_state as ps
 
+    from m2po_megatron.actor import cpu_compat
     from m2po_megatron.infra.fake_world import close_fake_world, init_fake_world
 
+    cpu_compat.activate()  # as a conversion rank on CPU does (a MoE layer's dispatcher makes a CUDA stream)
     rank, world = pp_rank * tp + tp_rank, tp * pp
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     hook = sys.excepthook  # every init_process_group wraps it once more (a rank prefix): hundreds of ranks deep

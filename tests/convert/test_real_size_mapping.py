@@ -32,8 +32,9 @@ def _spec(name):
     return read_hf_config(str(ASSETS / name / "config.json"))
 
 
-# mixture-of-experts configs: convert/mapping_check.py sweeps dense rules at TP x PP, not the experts at EP; the
-# Qwen3-MoE mapping is checked by the conversion round trip (tests/convert/test_convert*.py) instead
+# mixture-of-experts configs, swept apart (test_moe_converts_there_and_back): at EP1 every rank holds all 128
+# experts of its layers, each split over ETP = TP ranks, so a layout costs about 15 s of CPU. Expert parallelism
+# itself (which rank holds which expert) is checked by the conversion at EP2 (tests/convert/test_convert.py).
 MOE = ["Qwen__Qwen3-30B-A3B-Base"]
 
 
@@ -89,6 +90,15 @@ def test_the_sweep_is_every_valid_layout_and_holds_the_recipes():
 @pytest.mark.parametrize("name,tp,pp", _layouts())
 def test_converts_there_and_back(name, tp, pp):
     assert mc.check_mapping(_spec(name), tp, pp) == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), pytest.param(2, 8, marks=pytest.mark.slow)])
+def test_moe_converts_there_and_back(tp, pp):
+    """Qwen3-30B-A3B: the router (replicated) and every expert's gate/up/down (fc1 / row over ETP) land whole in
+    one slice each and come back, at TP1, TP2 x PP2 (experts split over 2 ranks, layers over 2 stages) and the
+    recipe's TP2 x PP8 (slow)."""
+    assert mc.check_mapping(_spec(MOE[0]), tp, pp) == []
 
 
 def test_only_tp8_of_the_4_kv_head_model_is_refused():
