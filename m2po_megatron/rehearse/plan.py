@@ -118,7 +118,10 @@ def estimates(cfg, hf, stage: int, traced: dict) -> tuple[dict, dict]:
                   data_parallel_size=p.data_parallel_size, micro_batch_tokens=cfg.train.micro_batch_tokens,
                   use_distributed_optimizer=p.use_distributed_optimizer, recompute=p.recompute_granularity,
                   context_parallel_size=p.context_parallel_size, pipeline_stage=stage,
-                  microbatches_in_flight=traced.get("microbatches"))
+                  microbatches_in_flight=traced.get("microbatches"),
+                  expert_model_parallel_size=p.expert_model_parallel_size,
+                  expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+                  moe_aux_loss=cfg.model.moe_aux_loss_coeff > 0, routing_replay=cfg.algo.routing_replay)
     dtype = traced["params_dtype"]
     est_traced = estimate_gpu_memory(hf, params_dtype=dtype, fp8=False, sequence_parallel=False,
                                      attention_backend="sdpa", cuda_kernels=False, foreach_adam=False,
