@@ -212,3 +212,57 @@ def peak_worker(backend: str, fp8, toy: bool = False) -> dict:
     actor.close()
     return {"loss": m["loss"], "grad_norm": m["grad_norm"], "microbatches": m["num_microbatches"],
             "row_lengths": lengths, "peak": peak, "estimate": (est["total"] - est["overhead"]) * 1024**3}
+
+
+# ------------------------------------------------------------------------------------------- mixture of experts
+MOE_CONFIG = REPO / "m2po_megatron" / "assets" / "configs" / "Qwen__Qwen3-30B-A3B-Base"
+MOE_TOY = dict(TOY, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+
+
+def qwen3_moe(layers: int, toy: bool = False) -> dict:
+    """Qwen3-30B-A3B's shapes (128 experts of 768, top-8, GQA 32/4, head_dim 128, vocab 151936) with fewer layers."""
+    cfg = json.loads((MOE_CONFIG / "config.json").read_text())
+    cfg.update(num_hidden_layers=layers, **(MOE_TOY if toy else {}))
+    cfg.pop("num_local_experts", None)
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        cfg[k] = None
+    return cfg
+
+
+def moe_worker(backend: str, toy: bool = False) -> dict:
+    """The real-size MoE path on one GPU (2 layers of Qwen3-30B-A3B, bf16; grouped experts on TE): log-probs
+    against HF fp32 beside HF bf16's own error, then one R3 update with full recompute whose routers dispatch
+    to the replayed experts for every replayed token in the forward and in the recompute (router hooks)."""
+    import actor_workers as w
+
+    from m2po_megatron.actor.actor import MegatronActor
+
+    dev, precision = device_and_precision()
+    cfg = qwen3_moe(2, toy)
+    hf = hf_model(cfg, dev)
+    batch = w.make_batch(n=6, vocab=cfg["vocab_size"], min_len=8 if toy else 64, max_len=40 if toy else 512)
+    ref, _ = w.hf_log_probs(hf, batch)
+    actor = MegatronActor(hf_config=cfg, load_from=hf, params_dtype=precision, micro_batch_tokens=1024,
+                          attention_backend=backend, loss_name="grpo", routing_replay="r3",
+                          recompute_granularity="full", use_distributed_optimizer=False, optimizer="sgd", lr=1e-3)
+    lp, _ = actor.compute_log_probs(batch)
+    hf16, _ = w.hf_log_probs(copy.deepcopy(hf).to(torch.bfloat16), batch) if dev == "cuda" else (ref, None)
+    d_actor = torch.cat([(a - b).abs() for a, b in zip(lp, ref)])
+    d_hf = torch.cat([(a - b).abs() for a, b in zip(hf16, ref)])
+    g = torch.Generator().manual_seed(5)
+    L, E, k = cfg["num_hidden_layers"], cfg["num_experts"], cfg["num_experts_per_tok"]
+    batch.behav_log_probs = [x.clone() for x in ref]
+    batch.advantages = torch.randn(len(batch), generator=g)
+    batch.routed_experts = [torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(ids.numel() * L)])
+                            .view(-1, L, k).to(torch.int16) for ids in batch.input_ids]
+    seen: dict = {}
+    handles = w._router_hooks(actor, seen)
+    m = actor.train_step(batch)
+    for h in handles:
+        h.remove()
+    exact = w._replay_exact(actor, batch, seen, k)
+    actor.close()
+    return {"actor_mean": float(d_actor.mean()), "hf_mean": float(d_hf.mean()), "actor_max": float(d_actor.max()),
+            "loss": m["loss"], "grad_norm": m["grad_norm"], "exact": exact,
+            "replayed": (m["routing/replayed_tokens"], m["routing/replayed_tokens_recompute"]),
+            "mismatch": m["routing/mismatch"]}
