@@ -45,6 +45,12 @@ def traced_kwargs(cfg) -> tuple[dict, list[str]]:
         if kw[key] != traced and not (key == "attention_backend" and kw[key] == "auto"):
             changed.append(f"{key}: {kw[key]} -> {traced}")
         kw[key] = traced
+    if (hf.get("num_experts") or hf.get("num_local_experts")) and kw["tensor_model_parallel_size"] > 1:
+        # megatron-core trains MoE at TP > 1 only with sequence parallelism, which needs TE's layers (GPU)
+        raise ValueError(f"a mixture-of-experts model at tensor_model_parallel_size = "
+                         f"{kw['tensor_model_parallel_size']} cannot be rehearsed on CPU: megatron-core's MoE "
+                         "layers need sequence parallelism there, and that needs Transformer Engine (GPU); "
+                         "rehearse a TP1 layout (parallel.tensor_model_parallel_size=1 and the DP to match)")
     kw.update(hf_path=None, hf_config=hf, load_from=None)  # the architecture only: weights are fake
     return kw, changed
 

@@ -100,3 +100,31 @@ def test_every_paper_recipe(recipe):
         code, rep = rehearse(f"recipes/paper/{recipe}", *ov, "--max-microbatches", "2", "--format", "json",
                              timeout=1800)
         assert code == 0, rep.get("problems")
+
+
+@pytest.mark.timeout(300)
+def test_moe_recipe_rehearses_within_the_estimate(tmp_path):
+    """Qwen3-30B-A3B's recipe with 2 of its 48 layers, at TP1 x PP1 x DP8 with EP8 (8 ranks): the step runs on fake
+    tensors with balanced routing, the trace agrees with the MoE estimate, the tokens go to the experts by
+    all-to-all in the expert-parallel group, and the report names what it did not trace."""
+    import json as _json
+
+    cfg = _json.loads((REPO / "m2po_megatron/assets/configs/Qwen__Qwen3-30B-A3B-Base/config.json").read_text())
+    cfg["num_hidden_layers"] = 2
+    (tmp_path / "config.json").write_text(_json.dumps(cfg))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"extends: {REPO / 'recipes/paper/qwen3-30b-a3b.yaml'}\nmodel:\n  hf_config: {tmp_path}\n"
+                      "parallel:\n  tensor_model_parallel_size: 1\n  pipeline_model_parallel_size: 1\n"
+                      "  data_parallel_size: 8\n  expert_model_parallel_size: 8\n  sequence_parallel: false\n"
+                      "cluster:\n  trainer_nodes: 1\n")
+    code, rep = rehearse(str(recipe), "--max-microbatches", "1", "--format", "json")
+    assert code == 0, rep.get("problems") if isinstance(rep, dict) else rep
+    (s,) = rep["stages"]
+    assert "error" not in s and abs(s["error_pct"]) <= 10.0, s
+    calls = {(c["call"], c["group"]) for c in s["collectives"]}
+    assert ("all_to_all_single", "ep") in calls, calls  # the dispatch, in the expert-parallel group
+    assert any("MoE routing" in n for n in rep["not_traced"])
+    # a MoE layout at TP > 1 cannot be traced on CPU (it needs sequence parallelism): refused, exit 2
+    code, out = rehearse(str(recipe), "parallel.tensor_model_parallel_size=2", "parallel.data_parallel_size=4",
+                         "parallel.expert_model_parallel_size=4", "parallel.sequence_parallel=true", timeout=120)
+    assert code == 2 and "cannot be rehearsed on CPU" in out, out
