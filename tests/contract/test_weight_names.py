@@ -142,7 +142,7 @@ def test_sglang_loads_what_the_recipes_export_sends(results, recipe):
 
 def test_sglang_loads_every_expected_name(results):
     jobs = _expected_jobs()
-    assert {j["tp"] for j in jobs} == {1, 2, 4, 8} and len({j["config"] for j in jobs}) == 6
+    assert {j["tp"] for j in jobs} == {1, 2, 4, 8} and len({j["config"] for j in jobs}) == 7  # 6 dense, 1 MoE
     for job in jobs:
         _assert_loads(results[job["id"]])
 
@@ -151,11 +151,14 @@ def test_the_recipes_layouts_are_all_checked(results):
     # the 32B recipe: trainer TP 8 x PP 2 (its second stage's tensors relayed), SGLang at TP 4; the others
     # train at TP 2 (the 8B at 4) and serve at TP 1
     e = results["exports"]
-    assert len(e) == 6
+    assert len(e) == 7
     assert (e["qwen2.5-32b.yaml"]["tp"], e["qwen2.5-32b.yaml"]["pp"], e["qwen2.5-32b.yaml"]["rollout_tp"]) == (8, 2, 4)
-    assert {r: (x["tp"], x["rollout_tp"]) for r, x in e.items() if r != "qwen2.5-32b.yaml"} == {
-        "llama-3.2-3b-instruct.yaml": (2, 1), "qwen2.5-math-7b.yaml": (2, 1), "qwen3-1.7b-base.yaml": (2, 1),
-        "qwen3-4b-base.yaml": (2, 1), "qwen3-8b-base.yaml": (4, 1)}
+    # Qwen3-30B-A3B (MoE): trainer TP 2 x PP 8, SGLang at TP 2: its experts go to sglang's FusedMoE by name
+    assert (e["qwen3-30b-a3b.yaml"]["tp"], e["qwen3-30b-a3b.yaml"]["pp"], e["qwen3-30b-a3b.yaml"]["rollout_tp"]) == (
+        2, 8, 2)
+    assert {r: (x["tp"], x["rollout_tp"]) for r, x in e.items() if r not in ("qwen2.5-32b.yaml", "qwen3-30b-a3b.yaml")
+            } == {"llama-3.2-3b-instruct.yaml": (2, 1), "qwen2.5-math-7b.yaml": (2, 1),
+                  "qwen3-1.7b-base.yaml": (2, 1), "qwen3-4b-base.yaml": (2, 1), "qwen3-8b-base.yaml": (4, 1)}
     assert {"export:qwen2.5-32b.yaml/0", "export:qwen2.5-32b.yaml/3"} <= set(results)
 
 

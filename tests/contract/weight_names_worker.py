@@ -28,7 +28,8 @@ import time
 import types
 from pathlib import Path
 
-MODULES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+MODULES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+           "Qwen3MoeForCausalLM": "qwen3_moe"}
 _state = {"layout": None}
 
 
@@ -70,11 +71,16 @@ def _parallel(tp: int, rank: int) -> None:
     _state["layout"] = (tp, rank)
 
 
+def _is_fused_moe(mod) -> bool:
+    """sglang's FusedMoE layer (Qwen3-MoE's experts, all of a layer's in one parameter pair)."""
+    return type(mod).__name__ == "FusedMoE" or any(c.__name__ == "FusedMoE" for c in type(mod).__mro__)
+
+
 def check(job: dict) -> dict:
     """One job (see the module docstring), its layout set up here."""
     import torch
     from sglang.srt.distributed.utils import get_group_rank_size
-    from sglang.srt.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+    from sglang.srt.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
     from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
     from sglang.srt.model_loader.weight_utils import default_weight_loader
     from transformers import AutoConfig
@@ -101,6 +107,9 @@ def check(job: dict) -> dict:
         """The whole (unsharded) tensor sglang's layer expects, from the layer's own sizes."""
         owner, leaf = pname.rsplit(".", 1)
         mod = modules[owner]
+        if _is_fused_moe(mod):  # one expert's gate/up (w1/w3) or down (w2) projection, whole over TP
+            ffn = mod.intermediate_size_per_partition * mod.moe_tp_size
+            return (mod.hidden_size, ffn) if shard.endswith(":w2") else (ffn, mod.hidden_size)
         if isinstance(mod, QKVParallelLinear):
             rows = {"q": mod.total_num_heads * mod.head_size, "k": mod.total_num_kv_heads * mod.head_size,
                     "v": mod.total_num_kv_heads * mod.v_head_size}[shard]
@@ -116,7 +125,12 @@ def check(job: dict) -> dict:
 
     def wrap(pname, loader):
         def load(param, tensor, *args, **kwargs):
-            shard = args[0] if args else kwargs.get("loaded_shard_id")
+            if _is_fused_moe(modules[pname.rsplit(".", 1)[0]]):  # (weight_name, shard_id, expert_id)
+                names = ("weight_name", "shard_id", "expert_id")
+                a = dict(zip(names, args), **{k: v for k, v in kwargs.items() if k in names})
+                shard = f"{a['expert_id']}:{a['shard_id']}"
+            else:
+                shard = args[0] if args else kwargs.get("loaded_shard_id")
             reached[pname].add(current["name"])
             shards[pname].add(shard)
             want = full_shape(pname, param, shard)
@@ -134,6 +148,12 @@ def check(job: dict) -> dict:
             want = {"q", "k", "v"}
         elif isinstance(mod, MergedColumnParallelLinear):
             want = set(range(len(mod.output_sizes)))
+        elif _is_fused_moe(mod):  # every expert's gate and up into w13, its down into w2
+            ids = range(mod.num_local_experts)
+            for pn, _ in mod.named_parameters(recurse=False):
+                stacked[f"{mname}.{pn}"] = ({f"{e}:{w}" for e in ids for w in ("w1", "w3")} if "w13" in pn
+                                            else {f"{e}:w2" for e in ids})
+            continue
         else:
             continue
         for pn, _ in mod.named_parameters(recurse=False):
@@ -172,7 +192,7 @@ def check(job: dict) -> dict:
                                if reached[n] and shards[n] != want)
     # the TP rank sglang's layers were built at (their slice of every sharded parameter)
     out["layer_tp"] = sorted({get_group_rank_size(m.tp_group)[::-1] for m in modules.values()
-                              if isinstance(m, LinearBase)})
+                              if isinstance(m, LinearBase) and not isinstance(m, ReplicatedLinear)})
     out["seconds"] = round(time.perf_counter() - t0, 2)
     return out
 
