@@ -112,20 +112,29 @@ def test_engine_routing_survives_retraction_mid_sequence(moe_dir):
     from m2po_megatron.rollout.engine import Engine, SamplingParams
 
     engine = Engine(_model(moe_dir), return_routed_experts=True, deterministic=True)
-    done = threading.Event()
+    done, paused = threading.Event(), threading.Event()
+    held: list = []
+    step = engine._step
+
+    def step_then_retract_after_4():  # in the engine's own thread, right after the step that made token 4:
+        step()                        # no race with the decode loop, whatever the machine's load
+        if held and len(held[0].out) >= 4 and not paused.is_set():
+            engine.pause("retract")
+            paused.set()
+
+    engine._step = step_then_retract_after_4
     try:
-        with engine.lock:  # hold the scheduler until the sequence is queued, then let it run a few steps
+        with engine.lock:  # hold the scheduler until the sequence is queued
             [seq] = engine.submit([3, 4, 5], SamplingParams(max_new_tokens=24, ignore_eos=True), 1,
                                   lambda s: done.set())
-        while len(seq.out) < 4 and not done.is_set():
-            engine._wake.wait(0.01)
-        engine.pause("retract")
+            held.append(seq)
+        assert paused.wait(120)
         retracted_at = len(seq.out)
         engine.resume()
         assert done.wait(120)
     finally:
         engine.shutdown()
-    assert 0 < retracted_at < 24
+    assert retracted_at == 4
     tokens = seq.prompt + seq.out
     np.testing.assert_array_equal(seq.routed_experts().numpy(), teacher_forced_routing(_model(moe_dir), tokens)[:-1])
 
