@@ -13,8 +13,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BUNDLED = sorted(str(p) for p in (REPO / "m2po_megatron" / "assets" / "configs").glob("*/config.json"))
-# convert/layout_check.py walks the dense weight rules at TP x PP; a mixture-of-experts config (Qwen3-30B-A3B-Base:
-# 48 x 128 experts) also needs its expert rules at EP, which it does not take yet: left out here, skipped below
+# The mixture-of-experts config (Qwen3-30B-A3B-Base: 48 x 128 experts) passes layout_check too (TP2 x PP2 in about
+# 60 s here, 2026-12-04) but is left out of this sweep for CI's time: its mapping at real size is
+# tests/convert/test_real_size_mapping.py's, its export names the contract suite's (test_weight_names.py).
+# Neither covers EP > 1 at real size; the conversion at EP2 does at toy size (tests/convert/test_convert.py).
 MOE = [c for c in BUNDLED if "Qwen3MoeForCausalLM" in Path(c).read_text()]
 CONFIGS = [c for c in BUNDLED if c not in MOE]
 
@@ -45,13 +47,6 @@ def test_every_bundled_config_at_every_layout():
     # output-layer copy) at TP1
     q17 = by[("Qwen__Qwen3-1.7B-Base", 1, 4)]["params"]
     assert sum(q17.values()) == by[("Qwen__Qwen3-1.7B-Base", 1, 1)]["params"]["0"] + 151936 * 2048
-
-
-@pytest.mark.skip(reason="convert/layout_check.py has no expert-parallel (EP) sweep yet; the Qwen3-MoE mapping is "
-                         "checked by the conversion round trip at EP 1 and 2 (tests/convert) instead")
-@pytest.mark.parametrize("config", [Path(c).parent.name for c in MOE])
-def test_moe_configs_at_every_layout(config):
-    raise AssertionError("unreachable while skipped")
 
 
 @pytest.mark.timeout(300)
