@@ -291,7 +291,13 @@ def balanced_moe_routing():
     from megatron.core.transformer.moe import token_dispatcher as td
 
     D = td.MoEAlltoAllTokenDispatcher
-    original, gather = D.dispatch_preprocess, td.gather_from_sequence_parallel_region
+    original, gather, init = D.dispatch_preprocess, td.gather_from_sequence_parallel_region, D.__init__
+
+    def real_init(self, *args, **kwargs):
+        """Megatron's own constructor, outside the fake mode: its chunk-sorting indices (an arange, read on the
+        host by .tolist() in every step) must hold values, or every chunk index reads as 0."""
+        with _disable_current_modes():
+            init(self, *args, **kwargs)
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         with _disable_current_modes():
@@ -306,10 +312,11 @@ def balanced_moe_routing():
             return torch.cat([input_] * group.size(), dim=0)
 
     D.dispatch_preprocess, td.gather_from_sequence_parallel_region = dispatch_preprocess, gather_counts
+    D.__init__ = real_init
     try:
         yield
     finally:
-        D.dispatch_preprocess, td.gather_from_sequence_parallel_region = original, gather
+        D.dispatch_preprocess, td.gather_from_sequence_parallel_region, D.__init__ = original, gather, init
 
 
 class _Done:
