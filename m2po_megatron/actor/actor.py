@@ -150,8 +150,7 @@ class MegatronActor:
         from m2po_megatron.algo.rollout_correction import CorrectionSpec
 
         self.correction = CorrectionSpec(**(rollout_correction or {}))  # ValueError naming the field
-        self.attention_backend, self.precision = resolve_machine(attention_backend, sequence_parallel, params_dtype,
-                                                                fp8, fp8_recipe)
+        self.attention_backend, self.precision = resolve_machine(attention_backend, params_dtype, fp8, fp8_recipe)
         from m2po_megatron.models.builder import validate_layout
         from m2po_megatron.models.hf_config import read_hf_config
 

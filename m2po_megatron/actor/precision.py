@@ -57,7 +57,7 @@ def probe_machine() -> tuple[bool, bool, Optional[tuple[int, int]]]:
     return cuda, te, cc
 
 
-def resolve_machine(attention_backend: str, sequence_parallel: bool, params_dtype: str, fp8: Optional[str],
+def resolve_machine(attention_backend: str, params_dtype: str, fp8: Optional[str],
                     fp8_recipe: Optional[str]):
     """(attention backend, Precision) for this machine (CUDA, Transformer Engine, compute capability)."""
     from m2po_megatron.infra.device import rehearsing
@@ -65,10 +65,6 @@ def resolve_machine(attention_backend: str, sequence_parallel: bool, params_dtyp
 
     cuda, te, cc = probe_machine()
     backend = resolve_attention_backend(attention_backend, cuda=cuda, te=te)
-    if sequence_parallel and backend != "te":
-        raise ValueError("sequence_parallel=True needs the Transformer Engine layer spec (attention_backend "
-                         "'te' on a GPU): megatron-core's local layers use torch norms, which refuse sequence "
-                         "parallelism; set sequence_parallel=False")
     precision = resolve_precision(params_dtype, fp8, fp8_recipe, cuda=cuda or rehearsing(),  # fake bf16
                                   te_available=te, compute_capability=cc)
     if precision.fp8 and backend != "te":

@@ -210,9 +210,6 @@ def _check_layout(cfg: DictConfig, errors: list[str]) -> None:
     if cfg.model.params_dtype == "fp16":
         errors.append("model.params_dtype = fp16: the actor has no loss scaling for fp16; use bf16 (or auto)")
     backend = cfg.model.attention_backend
-    if p.sequence_parallel and backend in ("sdpa", "local"):
-        errors.append(f"parallel.sequence_parallel = true needs Transformer Engine layers: set "
-                      f"model.attention_backend = te (or auto on a GPU with TE), not {backend}")
     if cfg.model.fp8 and backend in ("sdpa", "local"):
         errors.append(f"model.fp8 runs on Transformer Engine layers: set model.attention_backend = te (or auto), "
                       f"not {backend}")
@@ -367,7 +364,7 @@ def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
     if experts and tp > 1 and not p.sequence_parallel:
         errors.append(f"parallel.sequence_parallel = false with tensor_model_parallel_size = {tp}: megatron-core "
                       f"trains a mixture-of-experts model with TP > 1 only under sequence parallelism; set "
-                      f"parallel.sequence_parallel = true (Transformer Engine layers) or use TP 1")
+                      f"parallel.sequence_parallel = true or use TP 1")
     if not experts and cfg.algo.routing_replay != "none":
         errors.append(f"algo.routing_replay = {cfg.algo.routing_replay} replays the experts of a mixture-of-experts "
                       f"model; {_architecture(hf)} is dense: use none")

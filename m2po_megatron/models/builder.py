@@ -11,7 +11,7 @@ from typing import Any
 from m2po_megatron.infra.device import has_cuda
 from m2po_megatron.models.hf_config import HFModelSpec, UnsupportedModelError, read_hf_config
 from m2po_megatron.models.layout import validate_layout
-from m2po_megatron.models.norm import norms_to_params_dtype
+from m2po_megatron.models.norm import norms_to_params_dtype, with_local_norms
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
@@ -220,10 +220,24 @@ def layer_spec(spec: HFModelSpec, attention_backend: str | None = None):
                                                           qk_layernorm=spec.qk_norm)
         return _with_core_attention(te, attention.te_packed_core_attention())
     # megatron's local spec runs experts as a SequentialMLP (one MLP per local expert)
-    local = s.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    local = with_local_norms(s.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=spec.qk_norm,
+                                                        normalization="RMSNorm"))  # sequence parallel allowed
     if backend == "local":
         return local
     return _with_core_attention(local, attention.PackedSDPAttention)
+
+
+def _block_spec(layer, config, vp_stage: int | None):
+    """The block of `layer`s, as megatron builds it from a layer spec, but whose final norm is the layers' own
+    (megatron would take WrappedTorchNorm for the local layers, which refuses sequence parallelism)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from m2po_megatron.models.norm import LocalNorm
+
+    if layer.submodules.input_layernorm is not LocalNorm:
+        return layer  # TE: megatron takes TENorm for the final norm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
+                                      layer_norm=LocalNorm)
 
 
 def build_gpt_model(hf_config: Any, config, *, pre_process: bool | None = None, post_process: bool | None = None,
@@ -245,7 +259,8 @@ def build_gpt_model(hf_config: Any, config, *, pre_process: bool | None = None, 
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     rs = spec.rope_scaling
     model = PositionRoPEGPTModel(
-        config=config, transformer_layer_spec=layer_spec(spec, attention_backend), vocab_size=spec.vocab_size,
+        config=config, transformer_layer_spec=_block_spec(layer_spec(spec, attention_backend), config, vp_stage),
+        vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         parallel_output=parallel_output, share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope", rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer()

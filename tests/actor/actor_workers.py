@@ -119,7 +119,7 @@ def logprob_worker(names, layouts):
 
 def train_worker(name, jobs):
     """Run train jobs in order in this process group; each job is a dict:
-    tp, pp, optimizer ('sgd'|'adam'), micro_batch_tokens, num_minibatches, save (dir or None), load (dir or
+    tp, pp, sp (sequence parallel), optimizer ('sgd'|'adam'), micro_batch_tokens, num_minibatches, save (dir or None), load (dir or
     None). A job without `load` runs train_step on batch A and returns metrics + HF-named weights; a job with
     `save` or `load` then (after saving / after loading) runs train_step on batch B and returns its loss and the
 weights after it."""
@@ -135,6 +135,7 @@ weights after it."""
         opt = job.get("optimizer", "sgd")
         actor = MegatronActor(hf_config=cfg, load_from=hf, tensor_model_parallel_size=job["tp"],
                               pipeline_model_parallel_size=job["pp"], micro_batch_tokens=job.get("mbt", 40),
+                              sequence_parallel=job.get("sp", False),
                               optimizer=opt, lr=0.1 if opt == "sgd" else 1e-3, weight_decay=0.0,
                               clip_grad=0.0, loss_name="m2po", m2po_tau=0.02, m2po_scope="global",
                               use_distributed_optimizer=job.get("distopt", opt == "adam"))
@@ -386,7 +387,7 @@ def _router_hooks(actor, seen: dict):
 
 
 def moe_train_worker(jobs):
-    """Tiny Qwen3-MoE jobs in order (each a dict: tp, pp, ep, replay ('none'|'r2'|'r3'), recompute (bool),
+    """Tiny Qwen3-MoE jobs in order (each a dict: tp, pp, ep, sp, replay ('none'|'r2'|'r3'), recompute (bool),
     targets ('random' for R3 targets unlike the router's own)). Returns per job: dp, metrics, HF-named
     weights after one SGD update, and for R3 the share of tokens whose dispatched experts equal the targets,
     in forward and in recompute."""
@@ -409,6 +410,7 @@ def moe_train_worker(jobs):
         actor = MegatronActor(hf_config=cfg, load_from=hf, tensor_model_parallel_size=job.get("tp", 1),
                               pipeline_model_parallel_size=job.get("pp", 1),
                               expert_model_parallel_size=job.get("ep", 1), micro_batch_tokens=40,
+                              sequence_parallel=job.get("sp", False),
                               optimizer="sgd", lr=0.1, weight_decay=0.0, clip_grad=0.0, loss_name="grpo",
                               use_distributed_optimizer=False,
                               routing_replay=job.get("replay", "none"),

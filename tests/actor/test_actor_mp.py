@@ -71,13 +71,14 @@ def test_short_minibatches_at_dp4_update_as_dp1_does():
 
 @pytest.mark.timeout(700)
 def test_train_step_layouts_match_tp1_and_checkpoint_reshards(tmp_path):
-    """Two M2PO updates (global batch-level mask, SGD so weights expose the gradients) at TP2, PP2 and DP2
+    """Two M2PO updates (global batch-level mask, SGD so weights expose the gradients) at TP2 (with and without
+    sequence parallelism: the norms' grads are summed over the TP ranks' halves of the rows), PP2 and DP2
     with micro-batching (token budget 40) give the weights of TP1 on whole mini-batches; an Adam checkpoint
     saved at TP2 and loaded at TP1 gives the same next-step loss and update; so does a distributed-optimizer
     (DP2) checkpoint loaded at DP2 and at DP1 (Adam's moments and step restored)."""
     ck, dck = str(tmp_path / "ckpt"), str(tmp_path / "distopt")
-    jobs2 = [dict(tp=2, pp=1, num_minibatches=2), dict(tp=1, pp=2, num_minibatches=2),
-             dict(tp=1, pp=1, num_minibatches=2),
+    jobs2 = [dict(tp=2, pp=1, num_minibatches=2), dict(tp=2, pp=1, num_minibatches=2, sp=True),
+             dict(tp=1, pp=2, num_minibatches=2), dict(tp=1, pp=1, num_minibatches=2),
              dict(tp=2, pp=1, optimizer="adam", distopt=False, save=ck),
              dict(tp=1, pp=1, optimizer="adam", distopt=True, save=dck),
              dict(tp=1, pp=1, optimizer="adam", distopt=True, load=dck)]
@@ -93,7 +94,7 @@ def test_train_step_layouts_match_tp1_and_checkpoint_reshards(tmp_path):
     assert ref["metrics"]["num_updates"] == 2 and ref["metrics"]["m2po_global/num_dropped"] > 0
     assert ref["metrics"]["num_microbatches"] == 2  # one per mini-batch at a budget of 1000 tokens
     for rank in range(2):
-        for job, res in zip(jobs2[:3], r2[rank][:3]):
+        for job, res in zip(jobs2[:4], r2[rank][:4]):
             m = res["metrics"]
             assert m["num_microbatches"] > 2, job  # really micro-batched
             assert m["m2po_global/num_dropped"] == ref["metrics"]["m2po_global/num_dropped"], job
@@ -102,16 +103,16 @@ def test_train_step_layouts_match_tp1_and_checkpoint_reshards(tmp_path):
             assert set(res["weights"]) == set(init)
             diff = max(float((res["weights"][k] - init[k]).abs().max()) for k in init)
             assert diff <= 1e-6, (job, diff)
-        assert r2[rank][2]["dp"] == 2
-    assert abs(r2[0][3]["loss_b"] - r1[1]["loss_b"]) <= 1e-6
+        assert r2[rank][3]["dp"] == 2
+    assert abs(r2[0][4]["loss_b"] - r1[1]["loss_b"]) <= 1e-6
 
     def update_diff(a, b):
         return max(float((a["weights_b"][k] - b["weights_b"][k]).abs().max()) for k in a["weights_b"])
 
-    assert update_diff(r2[0][3], r1[1]) <= 1e-6
-    saved = r2[0][4]
+    assert update_diff(r2[0][4], r1[1]) <= 1e-6
+    saved = r2[0][5]
     # exact at the same layout (a shared Adam 'step' tensor after loading once made this 3.5e-4)
-    assert saved["loss_b"] == r2[0][5]["loss_b"] and update_diff(saved, r2[0][5]) == 0.0  # DP2 -> DP2
+    assert saved["loss_b"] == r2[0][6]["loss_b"] and update_diff(saved, r2[0][6]) == 0.0  # DP2 -> DP2
     assert abs(saved["loss_b"] - r1[2]["loss_b"]) <= 1e-6 and update_diff(saved, r1[2]) <= 1e-6  # DP2 -> DP1
     assert "set parallel.use_distributed_optimizer=true" in r1[3]["error"]
 

@@ -102,7 +102,8 @@ def test_layouts_the_actor_cannot_run_are_refused_at_config_time():
     assert "parallel.virtual_pipeline_model_parallel_size = 2" in msg and "null" in msg
     assert "model.params_dtype = fp16" in err(None, ["model.params_dtype=fp16"])
     sp = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
-    assert "model.attention_backend = te" in err(None, sp + ["model.attention_backend=sdpa"])
+    # megatron's local layers run sequence parallel too (models/norm.LocalNorm)
+    assert load_config(None, sp + ["model.attention_backend=sdpa"]).parallel.sequence_parallel
     assert "model.attention_backend = te" in err(None, ["model.fp8=e4m3", "model.attention_backend=local"])
     assert "model.attention_backend" in err(None, ["model.attention_backend=flash"])
     msg = err(None, ["cluster.gpus_per_node=6", "cluster.trainer_nodes=2", "parallel.tensor_model_parallel_size=4",
