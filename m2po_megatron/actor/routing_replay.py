@@ -198,7 +198,8 @@ class RoutingReplay:
         return batch, {}
 
     def step_metrics(self, actor) -> dict[str, float]:
-        """The step's counts over every data-parallel rank and pipeline stage (identical on every rank):
+        """The step's counts over every data-parallel rank, pipeline stage and, with sequence parallelism,
+        tensor-parallel rank (identical on every rank):
         per layer and in total, tokens with a recorded target and tokens whose own top-k differed from it
         (the routing mismatch, as a fraction), the tokens replayed again in a full recompute, and the expert
         load's max over mean (1 = balanced), per layer averaged."""
@@ -213,9 +214,10 @@ class RoutingReplay:
                 counts[j] = h.counts
             if h.load is not None:
                 loads[j] = h.load
-        if actor.dp_size > 1:
-            dist.all_reduce(counts, group=actor.dp_group)
-            dist.all_reduce(loads, group=actor.dp_group)
+        for size, group in ((self.sp_split[1], actor.tp_group), (actor.dp_size, actor.dp_group)):
+            if size > 1:  # sequence parallel: each TP rank routed its own share of the rows
+                dist.all_reduce(counts, group=group)
+                dist.all_reduce(loads, group=group)
         mine = (self.layer_ids, counts.cpu(), loads.cpu())
         stages = [mine]
         if actor.pp_size > 1:

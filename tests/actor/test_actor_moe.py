@@ -5,7 +5,8 @@ import pytest
 import actor_workers as w
 from m2po_megatron.actor.launch import run_multiprocess
 
-JOBS_DP2 = [dict(ep=1), dict(ep=2), dict(ep=2, replay="r3", observe=True, recompute=True), dict(ep=2, replay="r2")]
+JOBS_DP2 = [dict(ep=1), dict(ep=2), dict(ep=2, replay="r3", observe=True, recompute=True), dict(ep=2, replay="r2"),
+            dict(tp=2, sp=True), dict(tp=2, sp=True, replay="r3", recompute=True)]
 JOBS_DP1 = [dict(), dict(replay="r3", observe=True, recompute=True), dict(replay="r2")]
 
 
@@ -34,6 +35,24 @@ def test_expert_parallel_update_equals_one_rank(runs):
         assert ep2["metrics"]["loss"] == pytest.approx(dp1[0]["metrics"]["loss"], rel=1e-5)
     assert dp2[0][1]["metrics"] == dp2[1][1]["metrics"] | {k: v for k, v in dp2[0][1]["metrics"].items()
                                                            if k.startswith("time/")}
+
+
+@pytest.mark.timeout(900)
+def test_tensor_and_sequence_parallel_update_equals_one_rank(runs):
+    """TP2 with sequence parallelism (each rank routes its half of the tokens; experts over ETP = TP = 2): one
+    SGD update gives one rank's weights, without replay and with R3 under full recompute (each rank replays
+    the targets of its own half of the sequence: a wrong slice would route other tokens to other experts)."""
+    dp2, dp1 = runs
+    for rank in (0, 1):
+        tp2, tp2_r3 = dp2[rank][4], dp2[rank][5]
+        assert tp2["dp"] == tp2_r3["dp"] == 1
+        assert _maxdiff(tp2["weights"], dp1[0]["weights"]) <= 2e-5
+        assert tp2["metrics"]["loss"] == pytest.approx(dp1[0]["metrics"]["loss"], rel=1e-5)
+        assert _maxdiff(tp2_r3["weights"], dp1[1]["weights"]) <= 2e-5
+        assert _maxdiff(tp2_r3["weights"], tp2["weights"]) > 1e-3  # the replay changed the update
+        m, m1 = tp2_r3["metrics"], dp1[1]["metrics"]
+        for k in ("routing/replayed_tokens", "routing/replayed_tokens_recompute", "routing/mismatch"):
+            assert m[k] == pytest.approx(m1[k], rel=1e-6), k
 
 
 @pytest.mark.timeout(900)
