@@ -25,6 +25,7 @@ OTHER = {
     "qwen3-4b-base": "parallel.tensor_model_parallel_size=4 parallel.data_parallel_size=2",
     "qwen3-8b-base": "parallel.tensor_model_parallel_size=2 parallel.pipeline_model_parallel_size=2 "
                      "parallel.data_parallel_size=2",
+    "qwen3-30b-a3b": "parallel.data_parallel_size=2 parallel.expert_model_parallel_size=2 cluster.trainer_nodes=4",
 }
 
 
@@ -60,6 +61,7 @@ def main() -> int:
                 continue
             lay = rep["layout"]
             lay_s = f"TP{lay['tp']} PP{lay['pp']} DP{lay['dp']}" + (f" VPP{lay['vpp']}" if lay.get("vpp") else "")
+            lay_s += f" EP{lay['ep']}" if lay.get("ep", 1) > 1 else ""
             lay_s += "" if ov else " (recipe)"
             for s in rep["stages"]:
                 if "error" in s:

@@ -62,7 +62,8 @@ def run(args) -> int:
                         seed=args.seed)
     rep = report(cfg, hf, results, kw, float(cfg.cluster.gpu_memory_gb or 0))
     rep.update(recipe=str(args.recipe), world_size=world, layout=dict(tp=tp, pp=pp, dp=dp,
-               vpp=p.virtual_pipeline_model_parallel_size), minibatch_seqs=seqs, recipe_minibatch_seqs=full,
+               vpp=p.virtual_pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
+               sp=bool(p.sequence_parallel)), minibatch_seqs=seqs, recipe_minibatch_seqs=full,
                changed=changed,
                not_traced=list(NOT_TRACED) + (list(NOT_TRACED_MOE) if hf.get("num_experts") or
                                               hf.get("num_local_experts") else []), allocator_model="m2po_megatron.infra.fake_world.RehearsalMode")
@@ -78,7 +79,8 @@ def run(args) -> int:
 def format_report(rep: dict) -> str:
     lay = rep["layout"]
     lines = [f"rehearsal of {rep['recipe']}: world {rep['world_size']} (TP{lay['tp']} x PP{lay['pp']} x DP{lay['dp']}"
-             + (f", VPP{lay['vpp']}" if lay.get("vpp") else "") + f"), one mini-batch of {rep['minibatch_seqs']} "
+             + (f", VPP{lay['vpp']}" if lay.get("vpp") else "") + (f", EP{lay['ep']}" if lay.get("ep", 1) > 1 else "")
+             + (", sequence parallel" if lay.get("sp") else "") + f"), one mini-batch of {rep['minibatch_seqs']} "
              + ("sequences" if rep["minibatch_seqs"] == rep["recipe_minibatch_seqs"] else
                 f"of the recipe's {rep['recipe_minibatch_seqs']} sequences (--max-microbatches)")
              + ", fake tensors (allocator model: every storage a block rounded to 512 bytes)"]
@@ -101,7 +103,7 @@ def format_report(rep: dict) -> str:
             f"{s['estimate_traced_gib']:>9.1f}G{s['error_pct']:>+6.1f}%  {parts}  {s['estimate_recipe_gib']:>9.1f}G"
             f"{s['gpu_gib']:>5.0f}G{s['headroom_gib']:>8.1f}G")
     lines.append("traced: the allocator model's peak (GiB); estimate: models/memory.py's tensor terms at the traced "
-                 "settings and stage; recipe est: the formula for the recipe as written (TE/FP8/SP, overhead "
+                 "settings and stage; recipe est: the formula for the recipe as written (TE/FP8, overhead "
                  "included) against the GPU's memory")
     for s in rep["stages"]:
         if "error" in s:

@@ -25,6 +25,7 @@ The seams, all here and all named (nothing of the training step is re-implemente
 from __future__ import annotations
 
 import contextlib
+import io
 import pickle
 import weakref
 from dataclasses import dataclass, field
@@ -379,18 +380,18 @@ def logged_collectives(log: CollectiveLog):
         return [w or _Done() for w in works]
 
     def all_gather_object(object_list, obj, group=None):
-        log.calls.append(("all_gather_object", log.group_name(group), len(pickle.dumps(obj))))
+        log.calls.append(("all_gather_object", log.group_name(group), _pickled_size(obj)))
         for i in range(len(object_list)):
             object_list[i] = obj
 
     def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
-        log.calls.append(("broadcast_object_list", log.group_name(group), len(pickle.dumps(object_list))))
+        log.calls.append(("broadcast_object_list", log.group_name(group), _pickled_size(object_list)))
         for i, o in enumerate(object_list):
             if o is None:
                 object_list[i] = {}
 
     def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
-        log.calls.append(("gather_object", log.group_name(group), len(pickle.dumps(obj))))
+        log.calls.append(("gather_object", log.group_name(group), _pickled_size(obj)))
         if object_gather_list is not None:
             for i in range(len(object_gather_list)):
                 object_gather_list[i] = obj
@@ -415,6 +416,24 @@ def logged_collectives(log: CollectiveLog):
     finally:
         for mod, attr, val in reversed(patched):
             setattr(mod, attr, val)
+
+
+def _pickled_size(obj) -> int:
+    """The bytes an object collective would send: its pickle, a fake tensor counted as its data (fake
+    tensors cannot be pickled; e.g. metrics counted in tensors made under the fake mode)."""
+    data = 0
+
+    class Sizer(pickle.Pickler):
+        def reducer_override(self, o):
+            nonlocal data
+            if isinstance(o, FakeTensor):
+                data += _nbytes(o)
+                return tuple, ()
+            return NotImplemented
+
+    buf = io.BytesIO()
+    Sizer(buf).dump(obj)
+    return len(buf.getvalue()) + data
 
 
 def fake_world_rank(pp_rank: int, tp: int, dp: int, cp: int = 1) -> int:

@@ -10,7 +10,8 @@ until collected) gives each stage's peak and what is alive at it; every collecti
 
 What a CPU cannot trace, and how the report covers it (never skipped silently; `NOT_TRACED`):
 - Transformer Engine layers and FP8 (not installable without CUDA): the rehearsal builds megatron's local layers
-  with the sdpa backend; the recipe's own TE/FP8/sequence-parallel memory is models/memory.py's formula.
+  with the sdpa backend, sequence parallel as the recipe says; the recipe's own TE/FP8 memory is
+  models/memory.py's formula.
 - FlexAttention (a compiled higher-order op on CUDA): the CPU's per-sequence fused SDPA runs; the formula
   counts flex.
 - torch.compile'd kernels (megatron's fused SwiGLU) run eagerly; CUDA's fused RMSNorm is the CPU's composite
@@ -26,8 +27,8 @@ What a CPU cannot trace, and how the report covers it (never skipped silently; `
 from __future__ import annotations
 
 NOT_TRACED = (
-    "Transformer Engine layers, FP8 and sequence parallelism (no TE without CUDA): traced with megatron's local "
-    "layers (sdpa backend); the recipe's own numbers are models/memory.py's formula",
+    "Transformer Engine layers and FP8 (no TE without CUDA): traced with megatron's local layers (sdpa backend; "
+    "sequence parallel as the recipe says); the recipe's own numbers are models/memory.py's formula",
     "FlexAttention (compiled, CUDA): the CPU's per-sequence fused SDPA is traced; the formula counts flex",
     "torch.compile'd kernels (megatron's fused SwiGLU) run eagerly; RMSNorm is the CPU's composite kernel",
     "torch's foreach AdamW temporary (GPU): the CPU's single-tensor kernel is traced; the formula adds it",

@@ -40,17 +40,11 @@ def traced_kwargs(cfg) -> tuple[dict, list[str]]:
     if hf is None:
         raise ValueError("m2po rehearse needs the model's config.json: set model.hf_config (or model.hf_path "
                          "to a directory holding it)")
-    for key, traced in (("attention_backend", "sdpa"), ("sequence_parallel", False), ("fp8", None),
+    for key, traced in (("attention_backend", "sdpa"), ("fp8", None),
                         ("fp8_recipe", None), ("params_dtype", "bf16" if kw["params_dtype"] == "bf16" else "fp32")):
         if kw[key] != traced and not (key == "attention_backend" and kw[key] == "auto"):
             changed.append(f"{key}: {kw[key]} -> {traced}")
         kw[key] = traced
-    if (hf.get("num_experts") or hf.get("num_local_experts")) and kw["tensor_model_parallel_size"] > 1:
-        # megatron-core trains MoE at TP > 1 only with sequence parallelism, which needs TE's layers (GPU)
-        raise ValueError(f"a mixture-of-experts model at tensor_model_parallel_size = "
-                         f"{kw['tensor_model_parallel_size']} cannot be rehearsed on CPU: megatron-core's MoE "
-                         "layers need sequence parallelism there, and that needs Transformer Engine (GPU); "
-                         "rehearse a TP1 layout (parallel.tensor_model_parallel_size=1 and the DP to match)")
     kw.update(hf_path=None, hf_config=hf, load_from=None)  # the architecture only: weights are fake
     return kw, changed
 
@@ -129,7 +123,7 @@ def estimates(cfg, hf, stage: int, traced: dict) -> tuple[dict, dict]:
                   expert_tensor_parallel_size=p.expert_tensor_parallel_size,
                   moe_aux_loss=cfg.model.moe_aux_loss_coeff > 0, routing_replay=cfg.algo.routing_replay)
     dtype = traced["params_dtype"]
-    est_traced = estimate_gpu_memory(hf, params_dtype=dtype, fp8=False, sequence_parallel=False,
+    est_traced = estimate_gpu_memory(hf, params_dtype=dtype, fp8=False, sequence_parallel=traced["sequence_parallel"],
                                      attention_backend="sdpa", cuda_kernels=False, foreach_adam=False,
                                      overhead_gb=0.0, **common)
     est_recipe = estimate_gpu_memory(hf, params_dtype=dtype, fp8=bool(cfg.model.fp8),
