@@ -452,6 +452,7 @@ def _replay_exact(actor, batch, seen, k):
                 continue
             train = maps[-len(mbs):]  # this rank's training micro-batches, in schedule order
             for mb, m in zip(mbs, train):
+                m = m.cpu()  # the router's map, on the model's device; the targets are host tensors
                 t = row_targets(batch.routed_experts, mb, [i], k)
                 if t is None:  # a filler micro-batch
                     continue
