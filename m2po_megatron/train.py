@@ -104,7 +104,7 @@ def train(cfg: DictConfig) -> Path:
         progress = Progress(cfg.train.steps, "train", unit="step", initial=step)
         while step < cfg.train.steps and not stop.requested:
             t0 = time.perf_counter()
-            groups = next_batch(cfg, generator, version, ckpts)  # blocks until a batch may be trained
+            groups, resynced = next_batch(cfg, generator, weights, version, ckpts)  # until a batch may be trained
             t_wait = time.perf_counter() - t0
 
             with generator.locked():  # the generation thread writes the ledger too
@@ -136,7 +136,7 @@ def train(cfg: DictConfig) -> Path:
             if cfg.train.filter_groups.enable:  # a step that could not fill its batch says so
                 gen.extra["filter_groups/unfilled_groups"] = cfg.train.prompts_per_step - len(groups)
             metrics = {"version": version, **sb.metrics, **out, **accounting, **gen.rewards, **gen.extra,
-                       **sync_stats,
+                       **resynced, **sync_stats,
                        "time/wait_rollout": t_wait, "time/train": t_train, "time/weight_sync": t_sync,
                        "time/step": time.perf_counter() - t0, **({"updates": updates} if updates else {}),
                        "tokens_per_s/train": sb.metrics.get("batch/tokens", 0) / max(t_train, 1e-9),
@@ -229,14 +229,36 @@ def train_on(cfg: DictConfig, trainers, batch) -> dict:
     return trainers.call("train_step", ray.put(batch), cfg.train.updates_per_step, what="the train step")[0]
 
 
-def next_batch(cfg: DictConfig, generator, version: int, ckpts):
-    """The next batch of groups; a wait past cluster.timeout_s, or generation that failed for good (every
-    server down past its restarts), stops the run with a RunError naming it."""
+RESTART_POLL_S = 5.0  # how often a bounded run waiting for rollouts looks for restarted servers
+
+
+def next_batch(cfg: DictConfig, generator, weights, version: int, ckpts) -> tuple[list, dict]:
+    """The next batch of groups, and the stats of any re-sync done while waiting for it. A wait past
+    cluster.timeout_s, or generation that failed for good (every server down past its restarts), stops the
+    run with a RunError naming it.
+
+    A server that restarts while the loop waits here answers with its base weights, and the bounded generator
+    drops those answers as older than the bound allows until the servers are re-synced; the end-of-step
+    re-sync would never come, so the wait itself looks for restarts every RESTART_POLL_S and re-syncs.
+    The synchronous modes generate inside `next_groups` (a short timeout would abandon their batch) and
+    never drop on version, so they wait in one piece."""
     from m2po_megatron.run.checkpoint import resume_hint
     from m2po_megatron.infra.errors import RunError
 
+    timeout = cfg.cluster.timeout_s
+    poll = RESTART_POLL_S if cfg.staleness.mode == "bounded" else timeout
+    deadline = time.monotonic() + timeout
+    synced: dict = {}
     try:
-        return generator.next_groups(version, timeout_s=cfg.cluster.timeout_s)
+        while True:
+            try:
+                left = max(deadline - time.monotonic(), 0.0)
+                return generator.next_groups(version, timeout_s=min(poll, left)), synced
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no batch within cluster.timeout_s = {timeout:.0f} s; are the rollout "
+                                       f"servers alive?") from None
+            synced.update(weights.resync_restarted(version))
     except (TimeoutError, RuntimeError) as e:
         raise RunError(f"waiting for rollouts: {e}; the run stops. {resume_hint(ckpts)}") from e
 

@@ -68,6 +68,19 @@ def assert_checkpoints_intact(run_dir: Path) -> None:
     assert all(not mgr.verify(p) for p in dirs), {p.name: mgr.verify(p) for p in dirs}
 
 
+def run_tail(run_dir: Path | None, lines: int = 30) -> str:
+    """What a failed wait needs beyond the driver's output: the last metrics row and each rollout server's
+    log tail."""
+    if run_dir is None:
+        return ""
+    rows = step_rows(run_dir)
+    out = [f"\n--- last metrics row: {rows[-1] if rows else None}"]
+    for log in sorted((Path(run_dir) / "rollout").glob("*.log")):
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        out.append(f"--- {log.name}:\n{tail}")
+    return "\n".join(out)
+
+
 class Driver:
     """One `m2po train` process. `tmp_root`: a short directory (Ray's socket paths must fit 107 bytes)."""
 
@@ -84,17 +97,20 @@ class Driver:
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_for(self, what: str, ready: Callable[[], bool], timeout: float = RUN_TIMEOUT) -> None:
-        """Until `ready()` (an observable event); the deadline is only a failure timeout."""
+    def wait_for(self, what: str, ready: Callable[[], bool], timeout: float = RUN_TIMEOUT,
+                 run_dir: Path | None = None) -> None:
+        """Until `ready()` (an observable event); the deadline is only a failure timeout. A failure shows the
+        driver's output and, given `run_dir`, the last metrics row and the rollout servers' log tails."""
         deadline = time.monotonic() + timeout
         while not ready():
             assert self.proc.poll() is None, f"the driver exited ({self.proc.returncode}) before {what}:\n" \
-                                             f"{self.output()[-6000:]}"
-            assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.output()[-6000:]}"
+                                             f"{self.output()[-6000:]}{run_tail(run_dir)}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.output()[-6000:]}" \
+                                                f"{run_tail(run_dir)}"
             time.sleep(0.5)
 
     def wait_rows(self, run_dir: Path, n: int) -> list[dict]:
-        self.wait_for(f"{n} metrics rows", lambda: len(step_rows(run_dir)) >= n)
+        self.wait_for(f"{n} metrics rows", lambda: len(step_rows(run_dir)) >= n, run_dir=run_dir)
         return step_rows(run_dir)
 
     def signal(self, sig: int) -> None:

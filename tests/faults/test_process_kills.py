@@ -33,12 +33,12 @@ def test_server_process_and_actor_killed_are_recovered_a_dead_trainer_rank_stops
 
     # the server process: its actor restarts it on the same port, the loop re-syncs the weights
     os.kill(server["pid"], signal.SIGKILL)
-    d.wait_for("the server restart in the metrics", restarts_seen(run, 1))
+    d.wait_for("the server restart in the metrics", restarts_seen(run, 1), run_dir=run)
 
     # its Ray actor: the server process goes with it (no orphan keeps the port) and a new actor serves
     # the same URL; no ActorDiedError reaches the driver
     os.kill(server["actor_pid"], signal.SIGKILL)
-    d.wait_for("the actor restart in the metrics", restarts_seen(run, 2))
+    d.wait_for("the actor restart in the metrics", restarts_seen(run, 2), run_dir=run)
     assert not os.path.exists(f"/proc/{server['pid']}")
     assert "died (ActorDiedError); starting a new one on the same port" in d.output()
 

@@ -234,3 +234,73 @@ def test_bounded_filter_groups_never_waits_past_its_budget_and_a_resume_keeps_th
             uniform(unlimited, group)
         with pytest.raises(TimeoutError):
             unlimited.next_groups(0, timeout_s=0.01)
+
+
+def _answers(tok, texts, version):
+    return [SampleResult(output_ids=tok(t, add_special_tokens=False)["input_ids"], output_logprobs=[-1.0],
+                         token_versions=[version], finish_reason="stop", prompt_tokens=3, weight_version=version)
+            for t in texts]
+
+
+class RestartedServer:
+    """Stands in for the launcher's restart counts (EngineManager.info) and the trainer ranks' `call`: one
+    server, restarted once; the re-synced server answers what is in flight with the pushed version."""
+
+    def __init__(self, gen, tok):
+        self.gen, self.tok, self.restarts, self.calls = gen, tok, 0, []
+
+    def info(self):
+        return [{"url": "http://unused", "alive": True, "restarts": self.restarts, "log": "-"}]
+
+    def call(self, method, *args, **kwargs):
+        self.calls.append(method)
+        if method == "sync_weights":
+            for group in list(self.gen.inflight.values()):
+                self.gen._finish(group, _answers(self.tok, [r"\boxed{1}", "no idea"], args[0]))
+            return [{"seconds": 0.1}]
+        return [None]
+
+
+def test_a_server_restarted_while_the_loop_waits_is_resynced_by_the_wait(tok, tmp_path, monkeypatch):
+    """The CI failure of 2026-12-04: a bounded run's server restarts (base weights) while the loop waits
+    for a batch. Its answers are older than the bound allows and are dropped, so no batch can come until
+    the servers are re-synced; the wait notices the restart and re-syncs, and the step's metrics count it.
+    Without a restart the wait ends at cluster.timeout_s with a RunError naming it."""
+    from m2po_megatron import train
+    from m2po_megatron.config import load_config
+    from m2po_megatron.infra.errors import RunError
+    from m2po_megatron.run.state import CheckpointManager
+
+    monkeypatch.setattr(train, "RESTART_POLL_S", 0.05)
+    with RewardPool(num_workers=1, timeout_s=20.0) as pool:
+        cfg = load_config(None, ["staleness.mode=bounded", "cluster.timeout_s=30"], check_files=False)
+        ledger = SampleLedger()
+        gen = AsyncGenerator(maker(tok, pool), PromptStream(ROWS, 0), ledger, controller(), 2)
+        server = RestartedServer(gen, tok)
+        weights = WeightUpdater(cfg, server, server, [])
+        weights.attach(gen)
+        weights.watch_restarts()
+        for group in gen._admit()[:2]:  # a first step, trained on base-weight answers
+            gen._finish(group, _answers(tok, [r"\boxed{1}", "no idea"], 0))
+        assert len(gen.next_groups(0, timeout_s=5)) == 2
+        gen.on_step(2, updates=2)
+        gen.on_sync(2)  # the servers held version 2 ...
+        for group in gen._admit():  # ... then one restarted, with the base weights, and answered these
+            gen._finish(group, _answers(tok, [r"\boxed{1}", "no idea"], 0))
+        assert ledger.counters()["samples/dropped/aborted"] > 0 and not gen.finished
+        for group in gen._admit():  # their replacements are in flight
+            assert group.group_id in gen.inflight
+        ckpts = CheckpointManager(tmp_path)
+
+        server.restarts = 1
+        groups, resynced = train.next_batch(cfg, gen, weights, 2, ckpts)
+        assert server.calls == ["init_weight_sync", "sync_weights"]  # a new group with the restarted server
+        assert resynced["rollout/server_restarts"] == 1 and resynced["weight_sync/seconds"] == 0.1
+        assert len(groups) == 2 and all(v == 2 for g in groups for s in g.samples for v in s.versions)
+
+        while gen.take_batch():  # what the re-synced server answered beyond this batch
+            pass
+        quick = load_config(None, ["staleness.mode=bounded", "cluster.timeout_s=0.2"], check_files=False)
+        with pytest.raises(RunError, match=r"no batch within cluster.timeout_s = 0 s.*start again"):
+            train.next_batch(quick, gen, weights, 2, ckpts)
+        assert server.calls == ["init_weight_sync", "sync_weights"]  # no restart since: nothing re-synced
