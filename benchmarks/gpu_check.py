@@ -1,7 +1,7 @@
 """One command for a CUDA machine: the GPU checks of the actor and issue 20's goals, as one JSON summary.
 
     tools/gpu_check.sh                         # on the GPU machine (this script under a hard time limit)
-    python benchmarks/gpu_check.py [--budget-s 450] [--out FILE] [--parts a,b]
+    python benchmarks/gpu_check.py [--budget-s 510] [--out FILE] [--parts a,b]
     python benchmarks/gpu_check.py --dry-run   # any machine: print the plan, exit 2 if the budgets don't fit
     python benchmarks/gpu_check.py --smoke     # CPU: every part at toy size (how the script is tested)
 
@@ -10,18 +10,18 @@ megatron-core is not importable it is installed (pip, offline, --no-deps) from t
 folder of the checkout (`tools/gpu_check.sh --download-wheels` fills it on a machine with network, pinned to
 requirements/lock.txt). Nothing here needs Ray, math-verify or omegaconf.
 
-Each part runs in its own process group with a time budget (gpu_parts/runner.py): a failure or an overrun
-loses only its own numbers, and a part past its budget is killed with everything it spawned. The budgets
-add up to less than the total (checked before anything runs), and the total with the shell's hard stop fits
-one device command of 600 s. With --out the summary file is rewritten (atomically) after every part, so a
-stopped check keeps what finished. Parts (PLAN below): the `gpu` tests (resume, gradient and log-prob parity,
-peak memory at the recipe rows); a warm-up that compiles the actor parts' kernels on their own rows into one
-inductor cache (gpu_parts/warmup.py); the actor and the HF peer (benchmarks/hf_peer.py) on the same tokens for
-Qwen3-1.7B and Qwen3-4B at the recipes' 16,384-token rows drawn like the paper's rollouts
-(gpu_parts/rows.py), and for Qwen3-1.7B on the earlier 4,096-token batch (turn 2's comparison); the M2PO
-mask vs one torch.sort; with Transformer Engine, the FP8 actor on ragged rows. The summary (stdout, one
-JSON object; progress and a table on stderr) has each part's numbers or its error, the actor / HF ratios,
-and every goal of issue 20 with pass / fail / null (unmeasured).
+Each part runs in its own process group with a time budget (gpu_parts/runner.py): a failure or an overrun loses
+only its own numbers, and a part past its budget is killed with everything it spawned. The budgets add up to no
+more than the total (checked before anything runs), and the total with the shell's hard stop fits one device
+command of 600 s. With --out the summary file is rewritten (atomically) after every part, so a stopped check
+keeps what finished. Parts (`plan` below), in run order: a warm-up that compiles the actor parts' kernels on
+their own rows into one inductor cache (gpu_parts/warmup.py); the actor and the HF peer (benchmarks/hf_peer.py)
+on the same tokens for Qwen3-1.7B and Qwen3-4B at the recipes' 16,384-token rows drawn like the paper's rollouts
+(gpu_parts/rows.py), and for Qwen3-1.7B on the earlier 4,096-token batch (turn 2's comparison); the M2PO mask vs
+one torch.sort; with Transformer Engine, the FP8 actor on ragged rows; last, the `gpu` tests (resume, gradient
+and log-prob parity, peak memory at the recipe rows, MoE at real size with R3) with what the parts before them
+left of the total. The summary (stdout, one JSON object; progress and a table on stderr) has each part's numbers
+or its error, the actor / HF ratios, and every goal of issue 20 with pass / fail / null (unmeasured).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ from gpu_parts.runner import log, run_part, stop_parts_on_signals  # noqa: E402,
 from gpu_parts.warmup import warmup_part  # noqa: E402
 from gpu_parts.wheels import WHEEL_DIR, ensure_wheels, locked_version, wheel_dir_problem  # noqa: E402,F401
 
-DEFAULT_TOTAL_S = 450.0
+DEFAULT_TOTAL_S = 510.0  # = MAX_TOTAL_S: the first GPU run's gpu tests needed the room (docs/actor.md)
 RESERVE_S = 20.0  # wheel install, env probe, summary: outside the parts' budgets
 HARD_STOP_MARGIN_S = 30.0  # tools/gpu_check.sh kills the whole run at total + this
 COMMAND_LIMIT_S = 600.0  # one device command (/work/.library/device/README.md)
@@ -68,6 +68,7 @@ class Part:
     budget_s: float
     what: str
     fn: object = None  # a picklable callable taking budget_s=; None for gpu_tests (run in this process)
+    rest: bool = False  # runs last and gets whatever the total has left (budget_s: what it is sure of)
 
 
 def _actor(budget, **kw):
@@ -79,12 +80,11 @@ def _hf(budget, **kw):
 
 
 def plan(smoke: bool, te: bool, extra: bool = False) -> list[Part]:
-    """The parts in run order (the goals first), with their budgets in seconds; `extra` adds the parts that
-    run only when --parts names them."""
+    """The parts in run order, with their budgets in seconds (the last, `rest`, also gets what is left);
+    `extra` adds the parts that run only when --parts names them."""
     if smoke:  # CPU, toy config, fp32: the same functions; budgets for a loaded 2-core machine
         a = dict(model_name=Q17, smoke=True, rows=2, row_tokens=1024, reps=1)
         return [
-            Part("gpu_tests", 120, "collect the gpu tests"),
             Part("warmup", 90, "compile once, the actor parts' toy rows", functools.partial(
                 warmup_part, [dict(a, parity=True), dict(a, recompute="full")], budget_s=90)),
             Part("qwen3_1p7b", 150, "actor, toy, 2 rows of 1024, parity", _actor(150, parity=True, **a)),
@@ -92,33 +92,32 @@ def plan(smoke: bool, te: bool, extra: bool = False) -> list[Part]:
             Part("qwen3_4b", 120, "actor, toy, full recompute", _actor(120, recompute="full", **a)),
             Part("hf_4b", 90, "HF peer, full recompute", _hf(90, recompute="full", **a)),
             Part("m2po_mask", 60, "mask vs sort, 1e4 and 1e5", functools.partial(mask_part, [10**4, 10**5], 2)),
+            Part("gpu_tests", 120, "collect the gpu tests", rest=True),
         ]
     r17 = dict(model_name=Q17, smoke=False, rows=3, row_tokens=ROW, reps=2)
     r4 = dict(model_name=Q4, smoke=False, rows=2, row_tokens=ROW, reps=2, recompute="full")
     l17 = dict(model_name=Q17, smoke=False, rows=0, row_tokens=4096, reps=2, legacy_seqs=40)
-    parts = [
-        Part("gpu_tests", 150 if te else 130, "resume, gradient + log-prob parity, peak at the recipe rows"),
-    ]
-    # Compile budget (gpu_parts/warmup.py; measured on CPU 2026-12-04, the 2-core VM, see docs/actor.md "GPU
-    # check"): the compiled flex forward takes 5-7 s per graph on CPU (inductor's C++ template, torch 2.14.1 and
-    # 2.11.0, Qwen3 heads), plus 14-23 s of inductor's per-process CPU probe that a GPU does not run. Its
-    # Triton forward and backward cannot be compiled on CPU (flex has no CPU backward), so the GPU's times are
-    # unmeasured. A cold process compiles flex about 4 times (no-grad and grad; dynamo compiles the first
-    # length statically, then once more with dynamic sizes; the 4B's head count once more), plus SwiGLU's
-    # graphs: guessed at 75-130 s on the H200. The warm-up gets 75 s of it; what it does not finish the
-    # parts compile themselves, and whatever it finished stays in the cache (a rerun starts warm). From the
-    # warm cache a part's first step only traces and loads (CPU: 0.4-1.4 s past the probe), so the actor
-    # parts give 5 s each to the warm-up, and hf_1p7b (eager sdpa, nothing compiled) 5 s; the TE plan has no
-    # warm-up and keeps the cold budgets.
+    # Budgets from the first GPU run's part times (H200, 2026-12-04; docs/actor.md "Measured numbers") plus
+    # about a quarter: warmup 53 s, qwen3_1p7b 41, hf_1p7b 37, qwen3_4b 31, hf_4b 28, m2po_mask 4. The five
+    # sdpa gpu tests need about 250-270 s (two in the first 130 s, then 43, 51 and 42 s by hand), more than
+    # is sure after the parts' budgets: they run last, with whatever the parts leave (about 300 s when the
+    # parts take what they took). The TE plan is unmeasured: its parts keep cold-compile room, and its gpu
+    # tests (twice as many: te and FP8 variants) cannot all fit one command; rerun them alone
+    # (`--parts gpu_tests --part-budget gpu_tests=480`).
+    parts: list[Part] = []
+    # The warm-up (gpu_parts/warmup.py) compiles the actor parts' graphs once into the shared cache; what it
+    # does not finish the parts compile themselves, and whatever it finished stays there (a rerun starts
+    # warm). On the H200 its compiles took 9.9 s (1.7B) and 15.6 s (4B), 53 s in all (guessed at 75-130 s
+    # before; docs/actor.md "GPU check"). The TE plan has no warm-up and keeps cold-compile budgets.
     if not te:  # the cold compiles of the parts below, once; the TE plan has no room left
-        parts.append(Part("warmup", 75, "compile flex, SwiGLU and the step's graphs once, on the parts' own rows",
-                          functools.partial(warmup_part, [dict(r17, parity=True), r4], budget_s=75)))
-    b17, bhf17, b4 = (60, 45, 65) if te else (55, 40, 60)
+        parts.append(Part("warmup", 65, "compile flex, SwiGLU and the step's graphs once, on the parts' own rows",
+                          functools.partial(warmup_part, [dict(r17, parity=True), r4], budget_s=65)))
+    b17, bhf17, b4, bhf4 = (60, 45, 65, 40) if te else (50, 45, 40, 35)
     parts += [
         Part("qwen3_1p7b", b17, "actor, 3 rows of 16,384, log-prob parity, syncs", _actor(b17, parity=True, **r17)),
         Part("hf_1p7b", bhf17, "HF peer, the same tokens padded", _hf(bhf17, **r17)),
         Part("qwen3_4b", b4, "actor, 2 rows of 16,384, full recompute (no fit without)", _actor(b4, **r4)),
-        Part("hf_4b", 50, "HF peer, full recompute", _hf(50, **r4)),
+        Part("hf_4b", bhf4, "HF peer, full recompute", _hf(bhf4, **r4)),
     ]
     if te:  # the H200 image has no TE; with TE the FP8 part takes the 4,096-token comparison's time
         parts.append(Part("te_fp8", 35, "actor, TE FP8 e4m3, 2 ragged rows of 16,384 (no row % 16 == 0)",
@@ -127,8 +126,10 @@ def plan(smoke: bool, te: bool, extra: bool = False) -> list[Part]:
     if extra:  # turn 2's 4,096-token comparison gave its 55 s to the warm-up: run only when named (--parts)
         parts += [Part("qwen3_1p7b_4k", 30, "actor, turn 2's 40 sequences in 4,096-token rows", _actor(30, **l17)),
                   Part("hf_1p7b_4k", 25, "HF peer, the same", _hf(25, **l17))]
-    parts.append(Part("m2po_mask", 20, "mask vs one torch.sort, 1e6-1e8 tokens",
+    parts.append(Part("m2po_mask", 10, "mask vs one torch.sort, 1e6-1e8 tokens",
                       functools.partial(mask_part, [10**6, 10**7, 10**8], 5)))
+    parts.append(Part("gpu_tests", 245 if not te else 235, "resume, gradient + log-prob parity, peak at the "
+                      "recipe rows, MoE at real size with R3", rest=True))
     return parts
 
 
@@ -141,7 +142,7 @@ def with_budgets(parts: list[Part], overrides: dict[str, float]) -> list[Part]:
             fn = p.fn
             if isinstance(fn, functools.partial) and "budget_s" in fn.keywords:
                 fn = functools.partial(fn.func, *fn.args, **{**fn.keywords, "budget_s": b})
-            p = Part(p.name, b, p.what, fn)
+            p = Part(p.name, b, p.what, fn, rest=False)  # a budget given is the budget
         out.append(p)
     return out
 
@@ -164,8 +165,10 @@ def check_fit(parts: list[Part], total_s: float) -> list[str]:
 def format_plan(parts: list[Part], total_s: float, te: bool) -> str:
     lines = [f"plan ({'with' if te else 'without'} Transformer Engine), total {total_s:.0f} s "
              f"(hard stop {total_s + HARD_STOP_MARGIN_S:.0f} s):"]
-    lines += [f"  {p.name:<15} {p.budget_s:5.0f} s  {p.what}" for p in parts]
+    lines += [f"  {p.name:<15} {p.budget_s:5.0f} s{'+' if p.rest else ' '} {p.what}" for p in parts]
     lines.append(f"  {'reserve':<15} {RESERVE_S:5.0f} s  wheels, env, summary")
+    if any(p.rest for p in parts):
+        lines.append("  (+: also gets what the parts before it leave of the total)")
     lines.append(f"  {'sum':<15} {sum(p.budget_s for p in parts) + RESERVE_S:5.0f} s")
     return "\n".join(lines)
 
@@ -279,7 +282,7 @@ def main(argv=None) -> int:
         if left < min(20.0, p.budget_s):
             summary["parts"][p.name] = {"skipped": f"no time left ({left:.0f} s of the {total:.0f} s budget)"}
             continue
-        budget = min(p.budget_s, left)
+        budget = left if p.rest else min(p.budget_s, left)
         if budget < p.budget_s:  # the part's own deadline (its timed repetitions) follows the shorter budget
             p = with_budgets([p], {p.name: budget})[0]
         if p.fn is None:
@@ -287,7 +290,7 @@ def main(argv=None) -> int:
             log(f"gpu_tests: { {k: res.get(k) for k in ('passed', 'failed', 'skipped', 'collected', 'error')} }")
         else:
             res = run_part(p.name, p.fn, (), budget)
-        summary["parts"][p.name] = res
+        summary["parts"][p.name] = {**res, "budget_s": round(budget, 1)}
         summary["goals"] = G.judge(summary["parts"])
     summary.pop("running", None)
     summary["complete"] = True

@@ -45,6 +45,9 @@ def test_smoke_run_without_ray_prints_one_json_summary(tmp_path):
     assert parts["env"]["megatron_core"] and parts["env"]["cuda"] is False
     gt = parts["gpu_tests"]
     assert gt["returncode"] == 0 and gt["collected"] >= 8, gt  # the gpu tests import without ray
+    # they run last, with what the parts before them left of the total (more than their own 120 s here)
+    assert s["plan"][-1]["name"] == "gpu_tests" and gt["budget_s"] > 120, (s["plan"], gt["budget_s"])
+    assert parts["qwen3_4b"]["budget_s"] == 120  # the others get their own budgets
     for a, h in (("qwen3_1p7b", "hf_1p7b"), ("qwen3_4b", "hf_4b")):
         actor, hf = parts[a], parts[h]
         assert "error" not in actor and "error" not in hf, (actor, hf)
