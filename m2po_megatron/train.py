@@ -96,7 +96,7 @@ def train(cfg: DictConfig) -> Path:
         saved = step  # the step of the latest checkpoint of this run
         if step == 0 and evaluator.enabled and not stop.requested:  # the starting point, before generation competes
             with trace.span("eval", "eval", tid="loop", step=0):
-                logger.log(evaluator(0), step=0)
+                logger.log(evaluator(0, weights.synced), step=0)
         generator.start()
 
         weights.watch_restarts()
@@ -143,7 +143,7 @@ def train(cfg: DictConfig) -> Path:
                        "tokens_per_s/gen": gen.tokens_per_s}
             if eval_now:
                 with trace.span("eval", "eval", tid="loop", step=step):
-                    metrics.update(evaluator(step))
+                    metrics.update(evaluator(step, weights.synced))
             logger.log(metrics, step=step)
             progress.update(postfix=f"reward {metrics.get('reward/mean', float('nan')):.3f} "
                                     f"staleness {metrics.get('staleness/mean', 0):.1f}")
@@ -169,7 +169,7 @@ def train(cfg: DictConfig) -> Path:
                 if weights.synced != version:
                     weights.push(version)
                 with trace.span("eval", "eval", tid="loop", step=step):
-                    logger.log(evaluator(step), step=step)
+                    logger.log(evaluator(step, weights.synced), step=step)
     finally:
         stop.leaving = True  # a signal now cannot cut the cleanup short (a hung one still ends)
         for closer in (generator, rewards, client):

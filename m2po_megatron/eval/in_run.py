@@ -30,26 +30,38 @@ class Evaluator:
         listed = step in (self.cfg.eval.get("steps") or ())
         return self.enabled and (listed or (interval > 0 and step % interval == 0))
 
-    def __call__(self, step: int) -> dict:
-        """Evaluate, print the accuracy; returns the metrics to log."""
-        return report_eval(self.evaluate(step), step)
+    def __call__(self, step: int, version: int | None = None) -> dict:
+        """Evaluate, print the accuracy; returns the metrics to log. `version`: the weights the servers were
+        synced to (answers from other weights are counted and reported)."""
+        return report_eval(self.evaluate(step, version), step, version)
 
-    def evaluate(self, step: int) -> dict:
+    def evaluate(self, step: int, version: int | None = None) -> dict:
+        from collections import Counter
+
         from m2po_megatron.eval.benchmarks import evaluate as run_eval
         from m2po_megatron.eval.rollout_generate import rollout_generate_fn
 
         cfg, e = self.cfg, self.cfg.eval
-        res = run_eval(rollout_generate_fn(self.client, seed=eval_seed(cfg.run.seed, step)), self.tokenizer,
-                       self.eval_sets, temperature=e.temperature, top_p=e.top_p,
+        versions: Counter = Counter()
+        res = run_eval(rollout_generate_fn(self.client, seed=eval_seed(cfg.run.seed, step), versions=versions),
+                       self.tokenizer, self.eval_sets, temperature=e.temperature, top_p=e.top_p,
                        max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
                        reward_pool=self.rewards, out_dir=self.rdir, step=step)
-        return {**res.metrics(), "time/eval": res.seconds}
+        out = {**res.metrics(), "time/eval": res.seconds}
+        if version is not None:  # a server restarted during the evaluation answers with its base weights
+            out["eval/answers_at_other_weights"] = sum(n for v, n in versions.items() if v != version)
+        return out
 
 
-def report_eval(metrics: dict, step: int) -> dict:
-    """Print an evaluation's accuracy (the loop logs the same numbers); returns the metrics."""
+def report_eval(metrics: dict, step: int, version: int | None = None) -> dict:
+    """Print an evaluation's accuracy (the loop logs the same numbers), and say so when some answers came
+    from other weights than the ones synced; returns the metrics."""
     per = [f"{k.split('/')[1]} {v:.1f}%" for k, v in metrics.items()
            if k.endswith("/pass@1") and k != "eval/avg/pass@1"]
     print(f"[m2po] eval at step {step}: pass@1 {metrics.get('eval/avg/pass@1', float('nan')):.1f}% "
           f"({', '.join(per)})", flush=True)
+    other = metrics.get("eval/answers_at_other_weights", 0)
+    if other:
+        print(f"[m2po] eval at step {step}: {other} answers came from other weights than version {version} (a "
+              f"rollout server restarted during the evaluation); these numbers mix weights", flush=True)
     return metrics

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from .benchmarks import GenerateFn
 
 CALL_STRIDE = 2**40  # seeds per call: prompt i of a call starts at i * n, so calls never overlap whatever n is
@@ -18,10 +20,12 @@ def request_seed(seed: int, call: int, i: int, n: int) -> int:
     return seed + call * CALL_STRIDE + i * n
 
 
-def rollout_generate_fn(client, seed: int | None = 0, timeout_s: float | None = 3600.0) -> GenerateFn:
+def rollout_generate_fn(client, seed: int | None = 0, timeout_s: float | None = 3600.0,
+                        versions: Counter | None = None) -> GenerateFn:
     """Send every (prompt, n) to ``client`` (a SyncRolloutClient) concurrently and wait. With ``seed``,
     prompt i of call c uses ``request_seed(seed, c, i, n)`` (sample j adds j); the calls count from 0 for
-    each callable, so one made again with the same seed repeats the same seeds."""
+    each callable, so one made again with the same seed repeats the same seeds. ``versions`` counts the
+    weight version each answer came from."""
     calls = [0]
 
     def generate(prompts: list[list[int]], n: int, temperature: float, top_p: float,
@@ -34,6 +38,9 @@ def rollout_generate_fn(client, seed: int | None = 0, timeout_s: float | None = 
                 sp["sampling_seed"] = request_seed(seed, calls[0], i, n)
             futs.append(client.submit(p, sp, n=n, return_logprob=False))
         calls[0] += 1
-        return [[list(s.output_ids) for s in f.result(timeout_s)] for f in futs]
+        results = [f.result(timeout_s) for f in futs]
+        if versions is not None:
+            versions.update(s.weight_version for res in results for s in res)
+        return [[list(s.output_ids) for s in res] for res in results]
 
     return generate

@@ -79,6 +79,7 @@ def test_bounded_dp2_with_eval_and_checkpoint(tiny_task, tmp_path, small_eval):
     assert [r["step"] for r in evals] == [0, 2, 3]  # the start, eval.steps, the end
     for r in evals:  # printed as well as logged
         assert f"[m2po] eval at step {r['step']}: pass@1 {r['eval/avg/pass@1']:.1f}% (tiny_eval " in p.stdout, p.stdout
+        assert r["eval/answers_at_other_weights"] == 0  # every answer at the version synced before it (0, 4, 6)
     assert (run / "eval" / "step_000003.csv").exists()
     placement = json.loads((run / "placement.json").read_text())
     assert sorted(n["rank"] for n in placement["trainer"]) == [0, 1]
