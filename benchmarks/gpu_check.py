@@ -101,14 +101,14 @@ def plan(smoke: bool, te: bool, extra: bool = False) -> list[Part]:
     # about a quarter: warmup 53 s, qwen3_1p7b 41, hf_1p7b 37, qwen3_4b 31, hf_4b 28, m2po_mask 4. The five
     # sdpa gpu tests need about 250-270 s (two in the first 130 s, then 43, 51 and 42 s by hand), more than
     # is sure after the parts' budgets: they run last, with whatever the parts leave (about 300 s when the
-    # parts take what they took). The TE plan is unmeasured: its parts keep cold-compile room, and its gpu
-    # tests (twice as many: te and FP8 variants) cannot all fit one command; rerun them alone
-    # (`--parts gpu_tests --part-budget gpu_tests=480`).
-    parts: list[Part] = []
+    # parts take what they took). The TE plan is unmeasured: it has no warm-up, so its parts keep
+    # cold-compile room, and its gpu tests (twice as many: te and FP8 variants) cannot all fit one command;
+    # rerun them alone (`--parts gpu_tests --part-budget gpu_tests=480`).
     # The warm-up (gpu_parts/warmup.py) compiles the actor parts' graphs once into the shared cache; what it
     # does not finish the parts compile themselves, and whatever it finished stays there (a rerun starts
     # warm). On the H200 its compiles took 9.9 s (1.7B) and 15.6 s (4B), 53 s in all (guessed at 75-130 s
-    # before; docs/actor.md "GPU check"). The TE plan has no warm-up and keeps cold-compile budgets.
+    # before; docs/actor.md "GPU check").
+    parts: list[Part] = []
     if not te:  # the cold compiles of the parts below, once; the TE plan has no room left
         parts.append(Part("warmup", 65, "compile flex, SwiGLU and the step's graphs once, on the parts' own rows",
                           functools.partial(warmup_part, [dict(r17, parity=True), r4], budget_s=65)))

@@ -141,9 +141,9 @@ def test_locked_is_the_lock_the_generation_thread_takes(tok):
     assert gen.locked() is gen.lock  # _admit, _finish and next_groups take it
 
 
-def _results(tok, texts):
+def _results(tok, texts, version=0):
     return [SampleResult(output_ids=tok(t, add_special_tokens=False)["input_ids"], output_logprobs=[-1.0],
-                         token_versions=[0], finish_reason="stop", prompt_tokens=3, weight_version=0)
+                         token_versions=[version], finish_reason="stop", prompt_tokens=3, weight_version=version)
             for t in texts]
 
 
@@ -236,12 +236,6 @@ def test_bounded_filter_groups_never_waits_past_its_budget_and_a_resume_keeps_th
             unlimited.next_groups(0, timeout_s=0.01)
 
 
-def _answers(tok, texts, version):
-    return [SampleResult(output_ids=tok(t, add_special_tokens=False)["input_ids"], output_logprobs=[-1.0],
-                         token_versions=[version], finish_reason="stop", prompt_tokens=3, weight_version=version)
-            for t in texts]
-
-
 class RestartedServer:
     """Stands in for the launcher's restart counts (EngineManager.info) and the trainer ranks' `call`: one
     server, restarted once; the re-synced server answers what is in flight with the pushed version."""
@@ -256,7 +250,7 @@ class RestartedServer:
         self.calls.append(method)
         if method == "sync_weights":
             for group in list(self.gen.inflight.values()):
-                self.gen._finish(group, _answers(self.tok, [r"\boxed{1}", "no idea"], args[0]))
+                self.gen._finish(group, _results(self.tok, [r"\boxed{1}", "no idea"], args[0]))
             return [{"seconds": 0.1}]
         return [None]
 
@@ -281,12 +275,12 @@ def test_a_server_restarted_while_the_loop_waits_is_resynced_by_the_wait(tok, tm
         weights.attach(gen)
         weights.watch_restarts()
         for group in gen._admit()[:2]:  # a first step, trained on base-weight answers
-            gen._finish(group, _answers(tok, [r"\boxed{1}", "no idea"], 0))
+            gen._finish(group, _results(tok, [r"\boxed{1}", "no idea"], 0))
         assert len(gen.next_groups(0, timeout_s=5)) == 2
         gen.on_step(2, updates=2)
         gen.on_sync(2)  # the servers held version 2 ...
         for group in gen._admit():  # ... then one restarted, with the base weights, and answered these
-            gen._finish(group, _answers(tok, [r"\boxed{1}", "no idea"], 0))
+            gen._finish(group, _results(tok, [r"\boxed{1}", "no idea"], 0))
         assert ledger.counters()["samples/dropped/aborted"] > 0 and not gen.finished
         for group in gen._admit():  # their replacements are in flight
             assert group.group_id in gen.inflight
