@@ -33,8 +33,10 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
+
+from m2po_megatron.infra.fake_cache import FastCacheFakeTensorMode
 
 _aten = torch.ops.aten
 _PRIM_DEVICE = torch.ops.prim.device.default
@@ -82,15 +84,17 @@ class _Block:
     kind: str  # the phase it was allocated in, refined by tag()
 
 
-class RehearsalMode(FakeTensorMode):
+class RehearsalMode(FastCacheFakeTensorMode):
     """FakeTensorMode that also models the allocator: every new storage is a block of its bytes (rounded to
     ALIGN), live until its storage is collected; the live total's peak and the kinds of the blocks alive at the
-    peak (within PEAK_STEP of it) are kept. `phase` names the kind of what is allocated now."""
+    peak (within PEAK_STEP of it) are kept. `phase` names the kind of what is allocated now. Its dispatch cache
+    is looked up by a cheap key first (infra.fake_cache; `fast_cache=False` is torch's cache alone)."""
 
     PEAK_STEP = 0.002  # a new breakdown is kept when the peak has grown by this fraction since the last one
 
-    def __init__(self):
-        super().__init__(allow_non_fake_inputs=True)
+    def __init__(self, fast_cache: bool = True, crosscheck: bool = False):
+        super().__init__(allow_non_fake_inputs=True, crosscheck=crosscheck)
+        self.fast_enabled = self.fast_enabled and fast_cache
         self.phase = "weights"
         self.live: dict[int, _Block] = {}
         self.total = 0

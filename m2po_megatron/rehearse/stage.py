@@ -59,9 +59,10 @@ def _optimizer_tensors(optimizer) -> tuple[list, list]:
 
 
 def rehearse_rank(kwargs: dict, *, rank: int, world_size: int, minibatch_seqs: int, max_new_tokens: int,
-                  seed: int = 0) -> dict:
+                  seed: int = 0, fast_cache: bool = True, crosscheck: bool = False) -> dict:
     """Build MegatronActor(**kwargs) as global `rank` of a fake world and run one train_step of one optimizer
-    mini-batch of `minibatch_seqs` sequences. Returns the rank's numbers (bytes, counts, seconds)."""
+    mini-batch of `minibatch_seqs` sequences. Returns the rank's numbers (bytes, counts, seconds).
+    fast_cache / crosscheck: the fake mode's first-level dispatch cache, and its check (infra.fake_cache)."""
     t0 = time.perf_counter()
     from m2po_megatron.infra import device
 
@@ -76,7 +77,7 @@ def rehearse_rank(kwargs: dict, *, rank: int, world_size: int, minibatch_seqs: i
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
     init_fake_world(rank, world_size)
     device.set_rehearsal(True)
-    mode = RehearsalMode()
+    mode = RehearsalMode(fast_cache=fast_cache, crosscheck=crosscheck)
     log = CollectiveLog()
     from m2po_megatron.actor.actor import MegatronActor
 
@@ -128,7 +129,8 @@ def rehearse_rank(kwargs: dict, *, rank: int, world_size: int, minibatch_seqs: i
         role, rank=rank, params=sum(p.numel() for p in params), peak_bytes=mode.peak, peak_phase=mode.peak_phase,
         at_peak=mode.breakdown(), built_bytes=built, microbatches=len(mbs), row_tokens=max(m.seq_len for m in mbs),
         sequences=len(shard), tokens=sum(batch.lengths[i] for i in shard), collectives=log.summary(),
-        build_s=round(t_build, 2), step_s=round(t_step, 2))
+        build_s=round(t_build, 2), step_s=round(t_step, 2),
+        dispatch_cache=dict(fast=mode.fast_enabled, hits=mode.fast_hits, misses=mode.fast_misses))
     actor.close()
     return out
 
