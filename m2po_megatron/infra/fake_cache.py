@@ -56,6 +56,22 @@ class FastCacheFakeTensorMode(FakeTensorMode):
         self.fast_misses = 0
         self._fast: dict = {}
         self._state = _ft._CacheKeyState(None) if _HAS_API else None
+        self._blank: dict = {}  # a new FakeTensor's attributes but its device, as torch's constructor sets them
+        self._wrap = self._fake_tensor if _same_as_torch(self) else lambda elem, device: FakeTensor(self, elem, device)
+
+    def _fake_tensor(self, elem, device):
+        """FakeTensor(self, elem, device) for a meta `elem` and a device read off a FakeTensor (so already
+        normalised): FakeTensor.__new__'s argument checks left out, its state set as it sets it."""
+        t = torch.Tensor._make_subclass(FakeTensor, elem, elem.requires_grad, dispatch_device=True,
+                                        device_for_backend_keys=device)
+        if self._allow_unsafe_data_ptr_access:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
+        else:
+            torch._C._set_throw_on_mutable_data_ptr(t)
+        d = t.__dict__
+        d.update(self._blank)
+        d["_fake_device"] = device
+        return t
 
     def _fast_key(self, func, args, kwargs) -> tuple:
         key = [func, torch.get_default_dtype(), torch._C._get_default_device(), torch.is_inference_mode_enabled()]
@@ -110,13 +126,13 @@ class FastCacheFakeTensorMode(FakeTensorMode):
         if kind == _INPLACE:
             return args[e]
         if kind == _NEW:  # torch's _get_output_tensor_from_cache_entry for a plain new tensor, less its checks
-            return FakeTensor(self, torch.empty_strided(e[0], e[1], dtype=e[2], layout=e[3], device=_META,
-                                                        requires_grad=e[4]), e[5])
+            return self._wrap(torch.empty_strided(e[0], e[1], dtype=e[2], layout=e[3], device=_META,
+                                                  requires_grad=e[4]), e[5])
         if kind == _VIEW:  # the same for a view: its input's storage
             with _ft.in_kernel_invocation_manager(self):
                 empty = torch.empty_strided(e[0], e[1], dtype=e[2], layout=e[3], device=_META, requires_grad=e[4])
                 empty.set_(args[e[6]].untyped_storage(), e[7], e[0], e[1])
-            return FakeTensor(self, empty, e[5])
+            return self._wrap(empty, e[5])
         if kind == _MULTI:
             return e[0](self._build(x, func, args) for x in e[1])
         return self._output_from_cache_entry(self._state, e, None, func, args)
@@ -193,9 +209,24 @@ def _check_same(true, out, func, args) -> None:
     def facts(t):
         st = t.untyped_storage()._cdata
         return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.requires_grad, t.fake_device,
-                t.is_conj(), t.is_neg(), t.untyped_storage().nbytes(),
+                t.is_conj(), t.is_neg(), t.untyped_storage().nbytes(), torch._C._dispatch_key_set(t),
+                dict(vars(t)),
                 tuple((a is t, a.untyped_storage()._cdata == st) for a in args if isinstance(a, FakeTensor)))
 
     if not isinstance(out, FakeTensor) or facts(true) != facts(out):
         raise AssertionError(f"{func}: the first-level cache built {facts(out) if isinstance(out, FakeTensor) else out}"
                              f", torch's dispatch {facts(true)}")
+
+
+def _same_as_torch(mode) -> bool:
+    """Whether mode._fake_tensor makes what FakeTensor.__new__ makes in this torch (the same attributes and
+    values, the same dispatch keys); if not, torch's constructor is used."""
+    try:
+        elem = torch.empty(2, 3, device="meta")
+        a = FakeTensor(mode, elem, torch.device("cpu"))
+        mode._blank = {k: v for k, v in vars(a).items() if k != "_fake_device"}
+        b = mode._fake_tensor(elem, torch.device("cpu"))
+        return (vars(a) == vars(b) and torch._C._dispatch_key_set(a) == torch._C._dispatch_key_set(b)
+                and not _ft.FakeTensorConfig.debug)
+    except Exception:
+        return False
