@@ -1,23 +1,28 @@
 """A FakeTensorMode whose dispatch cache is looked up by a cheap key first: the rehearsal's speed.
 
-Under fake tensors nearly all of a rehearsed step's time is op dispatch, and torch's own cache hit costs most of
-it in building the key: every tensor argument's full metadata (17 fields, several of them Python properties on
-FakeTensor) is extracted and flattened for every op. Megatron's step runs the same few thousand ops on the same
-shapes once per micro-batch, so a first-level dictionary keyed by what the output can depend on (each fake
-argument's dtype, shape, stride, offset, storage size, autograd and conj/neg flags, device; every other
-argument's type and value; the default dtype and device and inference mode) finds torch's own cache entry
-without that work. On a first-level miss, torch's key is built and torch's dispatch runs as usual, and its entry
-(or its decision not to cache) is remembered under the cheap key. The outputs on a hit are built by torch's own
-`_output_from_cache_entry`, so views share their input's storage and in-place ops return their input as before.
+Under fake tensors nearly all of a rehearsed step's time is op dispatch, and most of a hit in torch's own cache
+goes to building its key: every tensor argument's full metadata (17 fields, several of them Python properties
+on FakeTensor) extracted and flattened for every op. Megatron's step runs the same few thousand ops on the same
+shapes once per micro-batch, so a first-level dictionary keyed by what an output can depend on (each fake
+argument's dtype, shape, stride, offset, autograd and conj/neg flags and device; every other
+argument's type and value; the default dtype and device; inference mode) finds torch's entry without that work.
+On a first-level miss torch's key is built and torch's dispatch runs as usual; its entry, or its decision not to
+cache, is kept under the cheap key. On a hit, plain outputs, views (on their input's storage) and in-place
+results are built directly, and wrapped as FakeTensor.__new__ wraps them less its argument checks (compared
+with torch's constructor at start: torch's is used if they differ). `_unsafe_view` and the splits, which torch
+never caches, are cached from the aliasing their first output shows. FakeTensorMode.dispatch's per-op
+no_dispatch() context and debug-log call are left out unless torch's fake-tensor log is at DEBUG.
 
 What is not keyable this way (a real tensor among the arguments, symbolic sizes, another mode's fake tensor, a
 fake tensor holding a constant, an argument of another type) goes down torch's path unchanged. `crosscheck=True`
-re-dispatches every first-level hit without the cache and compares the metadata (torch's own cross-check):
-the tests run a real Megatron step that way.
+dispatches every hit again without a cache and compares the two outputs (metadata, attributes, dispatch keys,
+and which arguments they are or share storage with): the tests run a real Megatron step that way.
 
-This uses FakeTensorMode's private cache API (torch 2.11 to 2.14 have it); without it the mode is torch's.
+This uses FakeTensorMode's private cache API, as torch 2.14 has it (the lock's); without it the mode is torch's.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch._subclasses import fake_tensor as _ft
@@ -36,9 +41,10 @@ _aten = torch.ops.aten
 # and metadata hold for every call with the same key
 _ALIASING = frozenset({_aten._unsafe_view.default, _aten.split_with_sizes.default, _aten.split.Tensor,
                        _aten.unbind.int})
-_HAS_API = all(hasattr(_ft, n) for n in ("_CacheKeyState", "_DispatchCacheValidEntry", "_BypassDispatchCache")) \
-    and all(hasattr(FakeTensorMode, n) for n in ("_cached_dispatch_impl", "_cache_key", "_output_from_cache_entry",
-                                                   "_dispatch_impl"))
+_HAS_API = all(hasattr(_ft, n) for n in ("_CacheKeyState", "_DispatchCacheValidEntry", "_BypassDispatchCache",
+                                          "_DISPATCH_META_HANDLERS", "_DISPATCH_HANDLE_DIRECTLY", "log")) \
+    and all(hasattr(FakeTensorMode, n) for n in ("dispatch", "_cached_dispatch_impl", "_cache_key",
+                                                   "_output_from_cache_entry", "_dispatch_impl"))
 
 
 class _NoKey(Exception):
@@ -57,7 +63,7 @@ class FastCacheFakeTensorMode(FakeTensorMode):
         self._fast: dict = {}
         self._state = _ft._CacheKeyState(None) if _HAS_API else None
         self._blank: dict = {}  # a new FakeTensor's attributes but its device, as torch's constructor sets them
-        self._wrap = self._fake_tensor if _same_as_torch(self) else lambda elem, device: FakeTensor(self, elem, device)
+        self._wrap = self._fake_tensor if _same_as_torch(self) else (lambda elem, dev: FakeTensor(self, elem, dev))
 
     def _fake_tensor(self, elem, device):
         """FakeTensor(self, elem, device) for a meta `elem` and a device read off a FakeTensor (so already
@@ -92,7 +98,7 @@ class FastCacheFakeTensorMode(FakeTensorMode):
             elif isinstance(a, FakeTensor):
                 if a.fake_mode is not self or a.constant is not None or a.is_sparse or a.is_mkldnn:
                     raise _NoKey
-                add((a.dtype, a.shape, a.stride(), a.storage_offset(), a.untyped_storage().nbytes(),
+                add((a.dtype, a.shape, a.stride(), a.storage_offset(),
                      a.requires_grad, a.is_conj(), a.is_neg(), a.is_inference(), a.fake_device))
             elif t is list or t is tuple:
                 add(t)
@@ -100,6 +106,13 @@ class FastCacheFakeTensorMode(FakeTensorMode):
                 self._flatten(key, a)
             else:  # a real tensor, a SymInt, a function, anything else: torch's path
                 raise _NoKey
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        """FakeTensorMode.dispatch less its per-op no_dispatch() context and debug-log call."""
+        if (self.fast_enabled and self.cache_enabled and func not in _ft._DISPATCH_META_HANDLERS
+                and func not in _ft._DISPATCH_HANDLE_DIRECTLY and not _ft.log.isEnabledFor(logging.DEBUG)):
+            return self._cached_dispatch_impl(func, types, args, kwargs or {})
+        return super().dispatch(func, types, args, kwargs or {})
 
     def _cached_dispatch_impl(self, func, types, args, kwargs):
         if not self.fast_enabled:
@@ -214,8 +227,8 @@ def _check_same(true, out, func, args) -> None:
                 tuple((a is t, a.untyped_storage()._cdata == st) for a in args if isinstance(a, FakeTensor)))
 
     if not isinstance(out, FakeTensor) or facts(true) != facts(out):
-        raise AssertionError(f"{func}: the first-level cache built {facts(out) if isinstance(out, FakeTensor) else out}"
-                             f", torch's dispatch {facts(true)}")
+        built = facts(out) if isinstance(out, FakeTensor) else out
+        raise AssertionError(f"{func}: the first-level cache built {built}, torch's dispatch {facts(true)}")
 
 
 def _same_as_torch(mode) -> bool:
