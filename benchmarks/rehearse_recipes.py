@@ -3,6 +3,9 @@ docs/rehearse.md (recipe, layout, stage, traced peak, estimate at the traced set
 estimate, GPU memory, headroom, seconds).
 
     python benchmarks/rehearse_recipes.py [--max-microbatches 4] [--out table.md] [--only qwen3-1.7b-base]
+        [--skip qwen3-30b-a3b]
+
+--max-microbatches 0 rehearses the whole optimizer mini-batch (m2po rehearse's default).
 """
 from __future__ import annotations
 
@@ -47,12 +50,13 @@ def main() -> int:
     ap.add_argument("--max-microbatches", type=int, default=4)
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None)
+    ap.add_argument("--skip", default="", help="recipe names to leave out, comma-separated")
     a = ap.parse_args()
     lines = ["| recipe | layout | stage | params/GPU | micro-batches | traced GiB | estimate GiB (traced settings) | "
              "error | recipe estimate GiB | GPU GiB | headroom GiB | wall s |", "|" + "---|" * 12]
     for recipe in sorted((REPO / "recipes" / "paper").glob("*.yaml")):
         name = recipe.stem
-        if name == "base" or (a.only and a.only != name):
+        if name == "base" or (a.only and a.only != name) or name in a.skip.split(","):
             continue
         for ov in ("", OTHER[name]):
             rep, wall = rehearse(recipe, ov, a.max_microbatches)

@@ -30,8 +30,9 @@ def register(sub) -> None:
                    help="largest |estimate - traced| in %% of traced before the exit status is 1 (default 10)")
     p.add_argument("--max-microbatches", type=int, default=None, metavar="N",
                    help="fewer sequences, so that each data-parallel rank runs about N micro-batches (default: "
-                        "the whole optimizer mini-batch; the peak needs only as many as the pipeline keeps in "
-                        "flight, and a full mini-batch of a 16k-token recipe takes minutes on 2 cores)")
+                        "the whole optimizer mini-batch, 1-2 minutes a dense paper recipe on 2 cores; the peak "
+                        "needs only as many as the pipeline keeps in flight; a mixture-of-experts recipe runs its "
+                        "experts one by one and needs this)")
     p.add_argument("--format", default="table", choices=("table", "json"))
     p.add_argument("--seed", type=int, default=0, help="seed of the drawn sequence lengths")
     p.set_defaults(func=run)
