@@ -22,6 +22,7 @@ This uses FakeTensorMode's private cache API, as torch 2.14 has it (the lock's);
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -54,30 +55,17 @@ class _NoKey(Exception):
 class FastCacheFakeTensorMode(FakeTensorMode):
     """FakeTensorMode with a first-level dispatch cache under a cheap key (see the module docstring)."""
 
-    def __init__(self, *, crosscheck: bool = False, **kwargs):
+    def __init__(self, *, fast_cache: bool = True, crosscheck: bool = False, **kwargs):
         super().__init__(**kwargs)
-        self.fast_enabled = _HAS_API and self.shape_env is None
+        self.fast_enabled = fast_cache and _HAS_API and self.shape_env is None
         self.crosscheck = crosscheck
         self.fast_hits = 0
         self.fast_misses = 0
         self._fast: dict = {}
         self._state = _ft._CacheKeyState(None) if _HAS_API else None
-        self._blank: dict = {}  # a new FakeTensor's attributes but its device, as torch's constructor sets them
-        self._wrap = self._fake_tensor if _same_as_torch(self) else (lambda elem, dev: FakeTensor(self, elem, dev))
-
-    def _fake_tensor(self, elem, device):
-        """FakeTensor(self, elem, device) for a meta `elem` and a device read off a FakeTensor (so already
-        normalised): FakeTensor.__new__'s argument checks left out, its state set as it sets it."""
-        t = torch.Tensor._make_subclass(FakeTensor, elem, elem.requires_grad, dispatch_device=True,
-                                        device_for_backend_keys=device)
-        if self._allow_unsafe_data_ptr_access:
-            torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
-        else:
-            torch._C._set_throw_on_mutable_data_ptr(t)
-        d = t.__dict__
-        d.update(self._blank)
-        d["_fake_device"] = device
-        return t
+        blank = _constructor_state(self) if self.fast_enabled else None
+        self._wrap = functools.partial(_fake_tensor, self, blank) if blank is not None else (
+            lambda elem, device: FakeTensor(self, elem, device))
 
     def _fast_key(self, func, args, kwargs) -> tuple:
         key = [func, torch.get_default_dtype(), torch._C._get_default_device(), torch.is_inference_mode_enabled()]
@@ -168,7 +156,7 @@ class FastCacheFakeTensorMode(FakeTensorMode):
 
 
 def _first_level(entry, func) -> tuple:
-    """(kind, what it needs) for torch's cache entry: see _INPLACE, _NEW, _TORCH."""
+    """(kind, what it needs) for torch's cache entry: see _INPLACE, _NEW, _VIEW, _TORCH."""
     if not entry.is_output_tuple and len(entry.output_infos) == 1:
         info = entry.output_infos[0]
         if info.inplace_idx is not None:
@@ -231,15 +219,32 @@ def _check_same(true, out, func, args) -> None:
         raise AssertionError(f"{func}: the first-level cache built {built}, torch's dispatch {facts(true)}")
 
 
-def _same_as_torch(mode) -> bool:
-    """Whether mode._fake_tensor makes what FakeTensor.__new__ makes in this torch (the same attributes and
-    values, the same dispatch keys); if not, torch's constructor is used."""
+def _fake_tensor(mode, blank: dict, elem, device):
+    """FakeTensor(mode, elem, device) for a meta `elem` and a device read off a FakeTensor (so already
+    normalised): FakeTensor.__new__'s argument checks left out, its state (`blank`, less the device) set as it
+    sets it."""
+    t = torch.Tensor._make_subclass(FakeTensor, elem, elem.requires_grad, dispatch_device=True,
+                                    device_for_backend_keys=device)
+    if mode._allow_unsafe_data_ptr_access:
+        torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
+    else:
+        torch._C._set_throw_on_mutable_data_ptr(t)
+    d = t.__dict__
+    d.update(blank)
+    d["_fake_device"] = device
+    return t
+
+
+def _constructor_state(mode) -> dict | None:
+    """The attributes FakeTensor.__new__ gives a new tensor of `mode`, less its device, if _fake_tensor makes
+    with them what torch's constructor makes (the same attributes, values and dispatch keys); else None."""
     try:
         elem = torch.empty(2, 3, device="meta")
         a = FakeTensor(mode, elem, torch.device("cpu"))
-        mode._blank = {k: v for k, v in vars(a).items() if k != "_fake_device"}
-        b = mode._fake_tensor(elem, torch.device("cpu"))
-        return (vars(a) == vars(b) and torch._C._dispatch_key_set(a) == torch._C._dispatch_key_set(b)
+        blank = {k: v for k, v in vars(a).items() if k != "_fake_device"}
+        b = _fake_tensor(mode, blank, elem, torch.device("cpu"))
+        same = (vars(a) == vars(b) and torch._C._dispatch_key_set(a) == torch._C._dispatch_key_set(b)
                 and not _ft.FakeTensorConfig.debug)
+        return blank if same else None
     except Exception:
-        return False
+        return None

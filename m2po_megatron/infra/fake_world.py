@@ -93,8 +93,7 @@ class RehearsalMode(FastCacheFakeTensorMode):
     PEAK_STEP = 0.002  # a new breakdown is kept when the peak has grown by this fraction since the last one
 
     def __init__(self, fast_cache: bool = True, crosscheck: bool = False):
-        super().__init__(allow_non_fake_inputs=True, crosscheck=crosscheck)
-        self.fast_enabled = self.fast_enabled and fast_cache
+        super().__init__(allow_non_fake_inputs=True, fast_cache=fast_cache, crosscheck=crosscheck)
         self.phase = "weights"
         self.live: dict[int, _Block] = {}
         self.total = 0
