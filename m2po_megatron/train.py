@@ -268,7 +268,7 @@ def logprob_mismatch(samples, per_update, version: int, out: dict | None = None)
     samples were all generated at the step's starting version sees exactly that pair (ratio = 1 up to
     numerics; bf16 or FP8 rollouts or a broken weight sync show up here). A three-policy step's losses see
     theta/proximal instead; there the correction's own proximal/behaviour metrics are that pair."""
-    if not per_update or not samples or any(v != version for s in samples for v in s.versions):
+    if not per_update or not samples or any(v != version for s in samples for v in s.policy_versions):
         return {}
     out = out or {}
     if "rollout_corr/kl_k1" in out:

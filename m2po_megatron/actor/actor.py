@@ -418,9 +418,8 @@ class MegatronActor:
         def loss_fn(mb: MicroBatch, model_out):
             logp, ent = self._token_logps(mb, model_out, with_entropy=True)
             dev = logp.device
-            behav, adv, weights = behav_and_advantages(mb_batch, mb, dev)
+            behav, adv, weights, policy, mask = behav_and_advantages(mb_batch, mb, dev)  # mask: policy & weight > 0
             seq_ids = to_device(mb.response_seq_ids(), dev)
-            mask = torch.ones_like(logp, dtype=torch.bool) if weights is None else weights > 0
             kw = dict(self.loss_kwargs)
             if self.loss_name == "m2po":
                 if use_global_mask:
@@ -434,7 +433,12 @@ class MegatronActor:
             stats.append(st)
             if engine_batch is not None:  # log(theta/engine) = drift log(theta/proximal) + mismatch log(proximal/engine)
                 eng = to_device(torch.cat([engine_batch.behav_log_probs[i].float() for i in mb.seq_index]), dev)
-                parts.append(ratio_parts(logp, behav, eng, mask | (mb.seq_index[0] < first_fill)))  # filler's: out
+                # every policy token, the correction's dropped ones included; a filler's and the environment's out
+                if mb.seq_index[0] >= first_fill:
+                    counted = mask  # a filler micro-batch: weight 0 throughout
+                else:
+                    counted = torch.ones_like(mask) if policy is None else policy
+                parts.append(ratio_parts(logp, behav, eng, counted))
             ent_sums.append(torch.where(mask, ent, 0.0).sum().float())  # a filler's or dropped token's: 0
             return loss * (n_local * self.dp_size), {}
 

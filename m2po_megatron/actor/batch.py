@@ -27,6 +27,10 @@ class TrainBatch:
     routed_experts: MoE models with routing replay R3 only: per sequence None or an integer tensor
         [len(input_ids[i]), layers, top-k] of the experts that routed each token at generation (ids >= 0),
         -1 for a token with no record (the trainer's router chooses). actor.routing_replay replays it.
+    loss_mask: multi-turn rollouts: which response tokens the policy generated (True: trained on) and which
+        the environment inserted (tool output, chat template; False: context only, never counted anywhere a
+        response token counts). One 1-D bool (or 0/1) tensor per sequence, response length, at least one
+        True each. None (the default): every response token is the policy's, at no extra cost.
     """
 
     input_ids: list[torch.Tensor]
@@ -35,6 +39,7 @@ class TrainBatch:
     advantages: Optional[Union[torch.Tensor, list[torch.Tensor]]] = None
     loss_weights: Optional[list[torch.Tensor]] = None
     routed_experts: Optional[list[Optional[torch.Tensor]]] = None
+    loss_mask: Optional[list[torch.Tensor]] = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -43,14 +48,15 @@ class TrainBatch:
     # cost about 0.1 ms each to pickle and again to unpickle. Anything else pickles as is, for validate().
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for name in ("input_ids", "behav_log_probs", "advantages"):
-            flat = _flatten(state[name])
+        for name in _FLAT:
+            flat = _flatten(state.get(name))
             if flat is not None:
                 state[name] = flat
         return state
 
     def __setstate__(self, state: dict) -> None:
-        for name in ("input_ids", "behav_log_probs", "advantages"):
+        state.setdefault("loss_mask", None)  # a batch pickled before the field existed
+        for name in _FLAT:
             if isinstance(state.get(name), _Flat):
                 state[name] = state[name].unflatten()
         self.__dict__.update(state)
@@ -70,13 +76,24 @@ class TrainBatch:
             return self.advantages[i].float().expand(int(self.input_ids[i].numel()) - int(self.prompt_lens[i]))
         return self.advantages[i].float()
 
+    def policy_mask(self, i: int) -> Optional[torch.Tensor]:
+        """Sequence i's loss mask as bool (True: a policy token), or None when every token is the policy's."""
+        return None if self.loss_mask is None else self.loss_mask[i].bool()
+
     def loss_counts(self) -> tuple[int, int]:
-        """(tokens, sequences) in the loss's denominators: every response token and sequence, less the tokens
-        a rollout correction dropped (loss weight 0) and the sequences left with none, as verl's rejection
-        sampling drops them from the response mask. M2PO's own dropped tokens stay (the paper's Eq. 5)."""
-        if self.loss_weights is None:
+        """(tokens, sequences) in the loss's denominators: every policy response token (loss mask 1) and
+        sequence, less the tokens a rollout correction dropped (loss weight 0) and the sequences left with
+        none, as verl's rejection sampling drops them from the response mask. M2PO's own dropped tokens stay
+        (the paper's Eq. 5)."""
+        if self.loss_weights is None and self.loss_mask is None:
             return sum(self.response_lens), len(self)
-        kept = [int((w > 0).sum()) for w in self.loss_weights]
+        kept = []
+        for i in range(len(self)):
+            m = self.policy_mask(i)
+            if self.loss_weights is not None:
+                w = self.loss_weights[i] > 0
+                m = w if m is None else m & w
+            kept.append(int(m.sum()))
         return sum(kept), sum(k > 0 for k in kept)
 
     def select(self, indices: Sequence[int]) -> "TrainBatch":
@@ -92,6 +109,7 @@ class TrainBatch:
             behav_log_probs=None if self.behav_log_probs is None else [self.behav_log_probs[i] for i in idx],
             advantages=adv,
             loss_weights=None if self.loss_weights is None else [self.loss_weights[i] for i in idx],
+            loss_mask=None if self.loss_mask is None else [self.loss_mask[i] for i in idx],
             routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in idx],
         )
 
@@ -116,6 +134,7 @@ class TrainBatch:
                     f"TrainBatch.input_ids[{i}] has {ids.numel()} tokens, more than micro_batch_tokens="
                     f"{max_tokens}: raise micro_batch_tokens to at least the longest prompt+response")
         self._validate_routing()
+        self._validate_loss_mask()
         if not for_training:
             return
         rl = self.response_lens
@@ -128,7 +147,8 @@ class TrainBatch:
                 raise ValueError(
                     f"TrainBatch.behav_log_probs[{i}] has shape {tuple(lp.shape)}; expected ({rl[i]},) = "
                     "response length (len(input_ids) - prompt_lens)")
-            if not torch.isfinite(lp).all():
+            m = self.policy_mask(i)  # an environment token's value is never read: the engine may leave it unset
+            if not torch.isfinite(lp if m is None else lp[m]).all():
                 raise ValueError(f"TrainBatch.behav_log_probs[{i}] has non-finite values")
         if self.advantages is None:
             raise ValueError("TrainBatch.advantages is required for train_step")
@@ -146,6 +166,24 @@ class TrainBatch:
                         f"TrainBatch.advantages[{i}] has shape {tuple(a.shape)}; expected ({rl[i]},)")
 
 
+    def _validate_loss_mask(self) -> None:
+        if self.loss_mask is None:
+            return
+        n, rl = len(self.input_ids), self.response_lens
+        if not isinstance(self.loss_mask, (list, tuple)) or len(self.loss_mask) != n:
+            raise ValueError(f"TrainBatch.loss_mask must be a list of {n} tensors (one per sequence) or None")
+        for i, m in enumerate(self.loss_mask):
+            if not isinstance(m, torch.Tensor) or m.dim() != 1 or m.numel() != rl[i]:
+                shape = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
+                raise ValueError(f"TrainBatch.loss_mask[{i}] has shape {shape}; expected ({rl[i]},) = response "
+                                 "length (len(input_ids) - prompt_lens), one flag per response token")
+            if m.dtype != torch.bool and (m.is_complex() or bool(((m != 0) & (m != 1)).any())):
+                raise ValueError(f"TrainBatch.loss_mask[{i}] must be bool or 0/1 ({m.dtype} with other values): "
+                                 "1 = a policy token, 0 = an environment token")
+            if not bool(m.any()):
+                raise ValueError(f"TrainBatch.loss_mask[{i}] has no policy token (all 0): a sequence needs at "
+                                 "least one token the policy generated; drop the sample before training")
+
     def _validate_routing(self) -> None:
         if self.routed_experts is None:
             return
@@ -156,6 +194,9 @@ class TrainBatch:
             if r is not None and (r.dim() != 3 or r.shape[0] != self.input_ids[i].numel() or r.is_floating_point()):
                 raise ValueError(f"TrainBatch.routed_experts[{i}] has shape {tuple(r.shape)} ({r.dtype}); expected "
                                  f"an integer tensor ({self.input_ids[i].numel()}, layers, top-k), one row per token")
+
+
+_FLAT = ("input_ids", "behav_log_probs", "advantages", "loss_mask")  # the fields pickled flat
 
 
 @dataclass

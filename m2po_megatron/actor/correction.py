@@ -13,16 +13,20 @@ def three_policy_batch(batch: TrainBatch, proximal: list[torch.Tensor], spec: rc
                        ) -> tuple[TrainBatch, dict]:
     """The batch the losses see, and the correction's metrics: behav_log_probs become the proximal
     log-probs, loss_weights the correction's weights of proximal/behaviour (0 on the tokens a masking mode
-    drops, which then also leave the M2PO mask's trust region but stay in the loss denominators, as M2PO's
-    own masked tokens do). `proximal`: one 1-D tensor per sequence, its response length."""
+    drops, which then also leave the M2PO mask's trust region and the loss denominators, loss_counts).
+    `proximal`: one 1-D tensor per sequence, its response length. The batch's loss mask carries over; the
+    correction sees only its policy tokens."""
     rl = batch.response_lens
     p = torch.cat([x.float() for x in proximal])
     b = torch.cat([x.float() for x in batch.behav_log_probs])
     seq_ids = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(rl))
-    corr = rc.rollout_correction(p, b, torch.ones_like(p, dtype=torch.bool), spec, seq_ids=seq_ids,
-                                 num_seq_ids=len(batch))
+    # environment tokens (loss mask 0) are off the correction: no weight, rejection, sequence sum or metric
+    # of theirs (their weight is 1; the loss mask keeps them out of the loss)
+    valid = (torch.ones_like(p, dtype=torch.bool) if batch.loss_mask is None
+             else torch.cat([m.bool() for m in batch.loss_mask]))
+    corr = rc.rollout_correction(p, b, valid, spec, seq_ids=seq_ids, num_seq_ids=len(batch))
     metrics = rc.read_stats([corr.stats])[0]
     out = TrainBatch(batch.input_ids, batch.prompt_lens, behav_log_probs=list(p.split(rl)),
                      advantages=batch.advantages, loss_weights=list(corr.weights.float().split(rl)),
-                     routed_experts=batch.routed_experts)
+                     routed_experts=batch.routed_experts, loss_mask=batch.loss_mask)
     return out, metrics

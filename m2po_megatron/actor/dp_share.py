@@ -22,7 +22,8 @@ from .packing import pack_by_token_budget, shard_for_dp
 
 
 def _with_filler(batch: TrainBatch) -> TrainBatch:
-    """`batch` and, at index len(batch), one prompt token and one response token (id 0) of loss weight 0."""
+    """`batch` and, at index len(batch), one prompt token and one response token (id 0) of loss weight 0 (and
+    loss mask 0 when the batch has a loss mask)."""
     rl = batch.response_lens
     adv = batch.advantages
     if isinstance(adv, torch.Tensor):
@@ -37,6 +38,8 @@ def _with_filler(batch: TrainBatch) -> TrainBatch:
         advantages=adv,
         loss_weights=list(weights) + [torch.zeros(1)],
         routed_experts=None if batch.routed_experts is None else list(batch.routed_experts) + [None],
+        # not a policy token either: out of every mask, not only the weighted ones
+        loss_mask=None if batch.loss_mask is None else list(batch.loss_mask) + [torch.zeros(1, dtype=torch.bool)],
     )
 
 

@@ -5,21 +5,43 @@ the mini-batch on every DP rank, so the actor makes a no-grad forward at the cur
 its log-probs here (algo.distributed does the cross-rank reduction)."""
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 
 from .batch import TrainBatch
 from .packing import MicroBatch, to_device
 
 
-def behav_and_advantages(batch: TrainBatch, mb: MicroBatch, dev):
-    """The behaviour log-probs, per-token advantages and loss weights (None without them) of `mb`'s response
-    tokens, fp32 on `dev`: stacked on the host, one non-blocking copy."""
+class LossInputs(NamedTuple):
+    """A micro-batch's per response token loss inputs, fp32 / bool on the device ([R] each)."""
+
+    behav: torch.Tensor
+    adv: torch.Tensor
+    weights: Optional[torch.Tensor]  # the rollout correction's, None without one
+    policy: Optional[torch.Tensor]  # TrainBatch.loss_mask (True: a policy token), None without one
+    mask: torch.Tensor  # the tokens the loss counts: policy tokens of weight > 0
+
+
+def behav_and_advantages(batch: TrainBatch, mb: MicroBatch, dev) -> LossInputs:
+    """The behaviour log-probs, per-token advantages, loss weights and loss mask of `mb`'s response tokens on
+    `dev`: stacked on the host, one non-blocking copy. Every consumer that counts response tokens (loss,
+    M2PO mask, entropy, metrics) takes `mask`, so environment tokens never count."""
     rows = [torch.cat([batch.behav_log_probs[i].float() for i in mb.seq_index]),
             torch.cat([batch.token_advantages(i) for i in mb.seq_index])]
     if batch.loss_weights is not None:
         rows.append(torch.cat([batch.loss_weights[i].float() for i in mb.seq_index]))
-    out = tuple(to_device(torch.stack(rows), dev))
-    return out if len(out) == 3 else (*out, None)
+    if batch.loss_mask is not None:  # 0/1 as a float row: exact, and still one copy
+        rows.append(torch.cat([batch.loss_mask[i].float() for i in mb.seq_index]))
+    out = to_device(torch.stack(rows), dev)
+    behav, adv = out[0], out[1]
+    weights = out[2] if batch.loss_weights is not None else None
+    policy = out[-1] > 0 if batch.loss_mask is not None else None
+    if weights is None:
+        mask = torch.ones_like(behav, dtype=torch.bool) if policy is None else policy
+    else:
+        mask = weights > 0 if policy is None else policy & (weights > 0)
+    return LossInputs(behav, adv, weights, policy, mask)
 
 
 def m2po_keep_masks(mb_batch: TrainBatch, mbs: list[MicroBatch], current: dict, *, tau: float, rule: str,
@@ -30,10 +52,10 @@ def m2po_keep_masks(mb_batch: TrainBatch, mbs: list[MicroBatch], current: dict, 
 
     log_ratios, advs, masks = [], [], []
     for mb in mbs:
-        behav, adv, weights = behav_and_advantages(mb_batch, mb, current[id(mb)].device)
-        log_ratios.append(current[id(mb)] - behav)
-        advs.append(adv)
-        masks.append(torch.ones_like(log_ratios[-1], dtype=torch.bool) if weights is None else weights > 0)
+        x = behav_and_advantages(mb_batch, mb, current[id(mb)].device)
+        log_ratios.append(current[id(mb)] - x.behav)
+        advs.append(x.adv)
+        masks.append(x.mask)
     res = algo_dist.global_m2po_keep_masks(log_ratios, advs, masks, tau=tau, rule=rule, scope="minibatch",
                                            group=dp_group, tokens=tokens)
     stats = {"m2po_global/num_trust_region": res.num_trust_region, "m2po_global/num_dropped": res.num_dropped,

@@ -192,7 +192,7 @@ class RoutingReplay:
             out = {"routing/replayed_seqs": float(sum(r is not None for r in batch.routed_experts))}
             for key, replay in (("routing/logprob_mismatch_noreplay", False), ("routing/logprob_mismatch", True)):
                 lp, _ = actor.compute_log_probs(batch, with_entropy=False, replay=replay)
-                out[key] = _mean_abs_diff(lp, batch.behav_log_probs)
+                out[key] = _mean_abs_diff(lp, batch.behav_log_probs, batch.loss_mask)
             self.reset()
             return batch, out
         return batch, {}
@@ -239,9 +239,14 @@ class RoutingReplay:
         return out
 
 
-def _mean_abs_diff(a: list, b: list) -> float:
+def _mean_abs_diff(a: list, b: list, mask: Optional[list] = None) -> float:
+    """Mean |a - b| over the policy tokens (`mask`: TrainBatch.loss_mask; None: every token): an environment
+    token's behaviour log-prob is no sample of the policy's."""
     x = torch.cat([t.float() for t in a])
     y = torch.cat([t.float() for t in b])
+    if mask is not None:
+        keep = torch.cat([m.bool() for m in mask])
+        x, y = x[keep], y[keep]
     return float((x - y).abs().mean()) if x.numel() else 0.0
 
 
@@ -285,9 +290,13 @@ def record_step(actor, replay: RoutingReplay, batch, minis: list[list[int]]):
         def loss_fn(mb, model_out, sel=sel, n=len(mi)):
             lp = model_out[0].detach().float()
             if sel.behav_log_probs is not None and mb.seq_index[0] < n:
-                behav = behav_and_advantages(sel, mb, lp.device)[0].float()
-                acc[0] += (lp - behav).abs().sum().double()
-                acc[1] += lp.numel()
+                x = behav_and_advantages(sel, mb, lp.device)
+                if x.policy is None:
+                    acc[0] += (lp - x.behav).abs().sum().double()
+                    acc[1] += lp.numel()
+                else:  # the policy's tokens only (an environment token's behaviour value may be anything)
+                    acc[0] += torch.where(x.policy, (lp - x.behav).abs(), 0.0).sum().double()
+                    acc[1] += x.policy.sum()
             return lp.new_zeros(()), {}
 
         for h in (h for _, h in replay.layers):

@@ -140,6 +140,12 @@ class RolloutSection:
     dtype: str = "auto"
     quantization: Optional[str] = None  # e.g. fp8
     n_samples_per_prompt: int = 8  # GRPO group size
+    # The rollout of one prompt group (docs/agents.md): a registered name (single_turn, calculator, ...),
+    # `package.module:name` or `path/to/file.py:name` of an `async def f(ctx) -> list[RolloutResult]`
+    function: str = "single_turn"
+    function_args: dict[str, Any] = field(default_factory=dict)  # handed to it as ctx.args
+    function_timeout_s: Optional[float] = 3600.0  # per group call; past it its samples are dropped (null: none)
+    tool_call_parser: Optional[str] = None  # SGLang's --tool-call-parser names (qwen25, llama3, ...) or m2po_tags
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -215,6 +221,8 @@ class EvalSection:
     temperature: float = 1.0
     top_p: float = 0.7
     max_new_tokens: Optional[int] = None  # default: rollout.max_new_tokens
+    # null: the built-in benchmarks' avg@k for single_turn, else rollout.function's episodes; or another function
+    function: Optional[str] = None
 
 
 @dataclass

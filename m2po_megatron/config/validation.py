@@ -13,6 +13,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from m2po_megatron.config.paths import resolve_path
+from m2po_megatron.agents.loader import check_plugins
 from m2po_megatron.config.schema import ConfigError
 
 def choices() -> dict[str, tuple | None]:
@@ -166,6 +167,7 @@ def validate(cfg: DictConfig, check_files: bool = True) -> None:
     _check_batches(cfg, errors)
     _check_model(cfg, errors, check_files)
     _check_rollout(cfg, errors)
+    check_plugins(cfg, errors)
     if check_files:
         _check_data_files(cfg, errors)
 

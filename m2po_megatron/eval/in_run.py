@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -23,6 +24,27 @@ class Evaluator:
         self.cfg, self.client, self.tokenizer, self.eval_sets = cfg, client, tokenizer, eval_sets
         self.rdir, self.rewards = rdir, rewards
         self.enabled = bool(eval_sets)
+        self.runner = self._function_runner() if self.enabled else None
+
+    def _function_runner(self):
+        """eval.function's runner, or rollout.function's when that is not the built-in; None: the built-in
+        benchmarks' avg@k (what single_turn would compute, with its seeds and tables)."""
+        from m2po_megatron.agents.loader import DEFAULT_ROLLOUT
+        from m2po_megatron.agents.runner import runner_for
+
+        cfg, e = self.cfg, self.cfg.eval
+        if (e.get("function") or cfg.rollout.get("function") or DEFAULT_ROLLOUT) == DEFAULT_ROLLOUT:
+            return None
+        sampling = {"temperature": e.temperature, "top_p": e.top_p,
+                    "max_new_tokens": e.max_new_tokens or cfg.rollout.max_new_tokens}
+        if cfg.rollout.top_k != -1:
+            sampling["top_k"] = cfg.rollout.top_k
+        return runner_for(cfg, self.tokenizer, self._score, function_key="eval.function", sampling=sampling,
+                           fail_limit=0)
+
+    def _score(self, text: str, answer: str) -> float:
+        (score,), _ = self.rewards.score([text], [answer])
+        return float(score)
 
     def due(self, step: int) -> bool:
         """An evaluation at this step by eval.interval (0: only before and after training) or eval.steps."""
@@ -43,6 +65,18 @@ class Evaluator:
 
         cfg, e = self.cfg, self.cfg.eval
         versions: Counter = Counter()
+        if self.runner is not None:
+            from m2po_megatron.eval.function_eval import evaluate_function
+            from m2po_megatron.data.prepare import encode_prompt
+
+            t0 = time.monotonic()
+            out = evaluate_function(self.runner, self.client, lambda p: encode_prompt(self.tokenizer, p),
+                                    self.eval_sets, eval_seed(cfg.run.seed, step), self._score, out_dir=self.rdir,
+                                    step=step, versions=versions)
+            out["time/eval"] = time.monotonic() - t0
+            if version is not None:
+                out["eval/answers_at_other_weights"] = sum(n for v, n in versions.items() if v != version)
+            return out
         res = run_eval(rollout_generate_fn(self.client, seed=eval_seed(cfg.run.seed, step), versions=versions),
                        self.tokenizer, self.eval_sets, temperature=e.temperature, top_p=e.top_p,
                        max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,

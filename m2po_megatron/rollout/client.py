@@ -201,13 +201,18 @@ class RolloutClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
 
-    async def _pick(self) -> _Server:
-        """Least outstanding among servers not marked down; when all are down, poll /health until one is back
-        (a restarted server) or wait_for_server_s passes."""
+    async def _pick(self, prefer: str | None = None) -> _Server:
+        """Least outstanding among servers not marked down (`prefer`, a server's URL, while it is up: the turns
+        of one episode reuse its prefix cache); when all are down, poll /health until one is back (a restarted
+        server) or wait_for_server_s passes."""
         deadline = time.monotonic() + self.wait_for_server_s
         while True:
             now = time.monotonic()
             up = [s for s in self._servers if s.down_until <= now]
+            if prefer is not None:
+                for s in up:
+                    if s.url == prefer:
+                        return s
             if up:
                 k = next(self._rr)
                 return min(up, key=lambda s: (s.outstanding, (self._servers.index(s) - k) % len(self._servers)))
@@ -224,9 +229,9 @@ class RolloutClient:
                                          "errors": s.errors, "down": s.down_until > time.monotonic()}
                                  for s in self._servers}
 
-    async def _post_generate(self, body: dict) -> tuple[dict | list, str]:
-        """POST one body (a single sample, or a batch of them) to the least loaded server; `outstanding`,
-        `completed`, `errors` and the re-issue count are in samples."""
+    async def _post_generate(self, body: dict, prefer: str | None = None) -> tuple[dict | list, str]:
+        """POST one body (a single sample, or a batch of them) to the least loaded server (or `prefer`, while it
+        is up); `outstanding`, `completed`, `errors` and the re-issue count are in samples."""
         import aiohttp
 
         size = len(body["rid"]) if isinstance(body.get("rid"), list) else 1
@@ -235,7 +240,7 @@ class RolloutClient:
         attempt = 0
         while True:
             try:
-                srv = await self._pick()
+                srv = await self._pick(prefer)
             except RolloutFailed:
                 self.stats.failed += 1
                 raise
@@ -284,12 +289,14 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ public
     async def generate(self, prompt_ids: Sequence[int], sampling_params: dict | None = None, n: int = 1,
-                       return_logprob: bool = True, return_routed_experts: bool = False) -> list[SampleResult]:
+                       return_logprob: bool = True, return_routed_experts: bool = False,
+                       server: str | None = None) -> list[SampleResult]:
         """n samples of one prompt (token ids), sent as one batch request to one server (a group's samples
         share its prompt, and SGLang's prefix cache shares the prompt's KV on one server; the per-sample
         overhead of HTTP and of trickling into the running batch is paid once per prompt). With sampling_seed
         s, sample i uses s + i; without one each sample gets a random seed, because a server with
-        deterministic inference would give every unseeded request the same seed (42) and so the same sample."""
+        deterministic inference would give every unseeded request the same seed (42) and so the same sample.
+        server: a URL of this client's servers to send to while it is up (an episode's later turns)."""
         sp = dict(sampling_params or {})
         n = int(sp.pop("n", n) if n == 1 else n)
         seeds = sample_seeds(sp.get("sampling_seed"), n)
@@ -297,11 +304,11 @@ class RolloutClient:
         if n == 1:
             resp, url = await self._post_generate(
                 build_generate_body(prompt_ids, dict(sp, sampling_seed=seeds[0]), uuid.uuid4().hex, return_logprob,
-                                    return_routed_experts))
+                                    return_routed_experts), server)
             resps = [resp]
         else:
             resps, url = await self._post_generate(build_batch_body(prompt_ids, sp, seeds, return_logprob,
-                                                                    return_routed_experts))
+                                                                    return_routed_experts), server)
             if not isinstance(resps, list) or len(resps) != n:
                 raise RolloutFailed(f"{url}/generate answered {type(resps).__name__} for a batch of {n} "
                                     "samples; SGLang answers a list with one entry per sample")
@@ -362,6 +369,10 @@ class SyncRolloutClient:
     def generate(self, prompt_ids, sampling_params=None, n: int = 1, return_logprob: bool = True,
                  timeout: float | None = None, return_routed_experts: bool = False) -> list[SampleResult]:
         return self.submit(prompt_ids, sampling_params, n, return_logprob, return_routed_experts).result(timeout)
+
+    def run(self, fn) -> concurrent.futures.Future:
+        """fn(RolloutClient) -> coroutine, run on this client's event loop (rollout functions, agents/runner.py)."""
+        return self._call(fn(self.client))
 
     def pause(self, mode: str = "retract", timeout: float | None = 600) -> None:
         self._call(self.client.pause(mode)).result(timeout)

@@ -115,9 +115,9 @@ class SyncGenerator:
             self.maker.count_filter(kept_groups=len(kept), gen_batches=rounds)
         if self.recompute is not None and kept:  # the released code: behaviour log-probs from the trainer
             scored = _answered(s for g in kept for s in g.samples)
-            engine = [list(s.logprobs) for s in scored]
+            engine = [list(s.policy_logprobs) for s in scored]  # the environment's tokens have no behaviour
             self.recompute(kept)
-            self.maker.note_mismatch(engine_mismatch(engine, [s.logprobs for s in scored]))
+            self.maker.note_mismatch(engine_mismatch(engine, [s.policy_logprobs for s in scored]))
         return kept
 
     def _generate(self, count: int) -> list[Group]:
@@ -269,8 +269,7 @@ class AsyncGenerator:
                 gid = f"g{self.next_gid}"
                 self.next_gid += 1
                 self.ctl.try_admit([gid])
-                group = self.maker.new_group(gid, row)
-                group.row = row  # kept to regenerate it after a restart
+                group = self.maker.new_group(gid, row)  # keeps the row, to regenerate it after a restart
                 self.inflight[gid] = group
                 self.ledger.add(sample_ids_for(gid, self.maker.n))
                 out.append(group)
@@ -406,13 +405,15 @@ class AsyncGenerator:
 
 def rollout_sampling(cfg) -> dict:
     """SGLang sampling_params of every training request (the generator adds the per-group seed)."""
-    r = cfg.rollout
-    return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}
+    from m2po_megatron.agents.runner import sampling_params
+
+    return sampling_params(cfg)
 
 
 def make_generator(cfg, client, rewards, tokenizer, prompts: PromptStream, ledger, trainers) -> Generator:
     """The generator of cfg.staleness.mode; `trainers` recompute behaviour log-probs when
     staleness.behav_logprob_source = trainer."""
+    from m2po_megatron.agents.runner import runner_for
     from m2po_megatron.staleness import FixedLagQueue, StalenessController
 
     r, s, t = cfg.rollout, cfg.staleness, cfg.train
@@ -421,9 +422,12 @@ def make_generator(cfg, client, rewards, tokenizer, prompts: PromptStream, ledge
         warnings.warn("train.filter_groups.max_num_gen_batches = 0: no limit (verl's meaning); a step waits until "
                       f"it has {t.prompts_per_step} groups whose {t.filter_groups.metric} varies, however many "
                       "generation batches that takes", stacklevel=2)
+    routing = routing_spec(cfg)
     maker = GroupMaker(client, rewards, tokenizer, Tokenize(tokenizer, cfg.data.max_prompt_len),
                        rollout_sampling(cfg), n=r.n_samples_per_prompt, seed=cfg.run.seed,
-                       filter_metric=t.filter_groups.metric, routing=routing_spec(cfg))
+                       filter_metric=t.filter_groups.metric, routing=routing,
+                       runner=runner_for(cfg, tokenizer, score=lambda text, answer: maker.score_one(text, answer),
+                                         routed_experts=routing is not None))
     if s.mode == "bounded":
         ctl = StalenessController(s.max_staleness, groups_per_step=t.prompts_per_step,
                                   updates_per_step=t.updates_per_step, sync_interval=s.sync_interval)
@@ -431,3 +435,4 @@ def make_generator(cfg, client, rewards, tokenizer, prompts: PromptStream, ledge
     lag = FixedLagQueue(s.lag_steps, t.updates_per_step) if s.mode == "fixed_lag" else None
     recompute = trainers.recompute_behaviour_logprobs if s.behav_logprob_source == "trainer" else None
     return SyncGenerator(maker, prompts, ledger, t.prompts_per_step, lag, recompute, max_gen_batches=budget)
+

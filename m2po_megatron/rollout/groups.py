@@ -11,6 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
+from m2po_megatron.agents.runner import Episode
+from m2po_megatron.agents.types import RolloutResult
 from m2po_megatron.data.prompts import Tokenize
 from m2po_megatron.infra import trace
 from m2po_megatron.rollout import routing as rr
@@ -61,9 +63,10 @@ class GroupMaker:
     is a SyncRolloutClient (its own event loop thread); `submit` returns a concurrent Future."""
 
     def __init__(self, client, rewards, tokenizer, tokenize: Tokenize, sampling: dict, n: int, seed: int,
-                 filter_metric: str = "acc", routing: Optional[RoutingSpec] = None):
+                 filter_metric: str = "acc", routing: Optional[RoutingSpec] = None, runner=None):
         """routing: request the engine's routed experts and attach them to each sample (R3); a sample whose
-        data is unusable is marked (dropped as bad_routing by build_step_batch) and counted per problem."""
+        data is unusable is marked (dropped as bad_routing by build_step_batch) and counted per problem.
+        runner: the recipe's rollout function (agents/runner.py); None: the built-in single_turn."""
         self.client, self.rewards, self.tok, self.tokenize = client, rewards, tokenizer, tokenize
         self.routing = routing
         self.routing_counts: Counter = Counter()  # routing/dropped/<problem> since the last stats()
@@ -76,31 +79,41 @@ class GroupMaker:
         self._tp_mark: Optional[tuple[float, int]] = None  # (time, gen_tokens) at the previous stats()
         self.filter_counts: Counter = Counter()  # train.filter_groups: kept / dropped groups, generation rounds
         self.mismatch: dict = {}  # engine_mismatch/* of the last recomputed batch (behav_logprob_source=trainer)
+        if runner is None:
+            from m2po_megatron.agents.runner import RolloutRunner
+            from m2po_megatron.agents.single_turn import rollout
+
+            runner = RolloutRunner(rollout, "single_turn", tokenizer=tokenizer, sampling=sampling, n=n,
+                                   timeout_s=None, score=self.score_one, routed_experts=routing is not None)
+        self.runner = runner
+        # a missing routing map is a set-up error for the built-in rollout; a plug-in's is its own (counted)
+        self.strict_routing = runner.name == "single_turn"
 
     def new_group(self, gid: str, row: dict) -> Group:
         return Group(group_id=gid, prompt_id=str(row["id"]), prompt_ids=self.tokenize(row["prompt"]),
-                     answer=str(row["answer"]))
+                     answer=str(row["answer"]), row=row)
 
-    def submit(self, group: Group):
+    def group_seed(self, group: Group) -> int:
         # A per-group seed makes sampling reproducible (fixed_lag resume equality) and independent of
         # which other requests a server happens to batch with.
-        seed = zlib.crc32(f"{self.seed}/{group.group_id}".encode()) & 0x7FFFFFFF
-        extra = {"return_routed_experts": True} if self.routing is not None else {}
-        fut = self.client.submit(group.prompt_ids, dict(self.sampling, sampling_seed=seed), n=self.n, **extra)
+        return zlib.crc32(f"{self.seed}/{group.group_id}".encode()) & 0x7FFFFFFF
+
+    def submit(self, group: Group):
+        """The group's episodes: the rollout function awaited on the client's loop; a Future of n Episodes."""
+        row = group.row if group.row is not None else {"id": group.prompt_id, "answer": group.answer}
+        fut = self.client.run(functools.partial(self.runner.run_group, row=row, prompt_ids=list(group.prompt_ids),
+                                                seed=self.group_seed(group), group_id=group.group_id))
         fut.add_done_callback(functools.partial(_trace_request, group.group_id, time.perf_counter()))
         return fut
 
     def fill(self, group: Group, results) -> Group:
-        group.samples = [
-            Sample(sample_id=sid, group_id=group.group_id, prompt_ids=group.prompt_ids,
-                   output_ids=list(o.output_ids), logprobs=list(o.output_logprobs),
-                   versions=[int(v) for v in o.token_versions], finish_reason=o.finish_reason,
-                   answer=group.answer)
-            for sid, o in zip(sample_ids_for(group.group_id, self.n), results)
-        ]
+        """The group's samples from its n Episodes (or the client's SampleResults, as single_turn returns them)."""
+        group.samples = [sample_of(ep, sid, group) for sid, ep in zip(sample_ids_for(group.group_id, self.n),
+                                                                      map(as_episode, results))]
         if self.routing is not None:
-            for s, o in zip(group.samples, results):
-                self._attach_routing(s, o.routed_experts)
+            for s, ep in zip(group.samples, map(as_episode, results)):
+                if ep.result is not None:
+                    self._attach_routing(s, ep.result.routed_experts)
         self.gen_tokens += sum(len(s.output_ids) for s in group.samples)
         return group
 
@@ -112,7 +125,7 @@ class GroupMaker:
         r = self.routing
         arr, problem = rr.parse(b64, num_layers=r.num_layers, topk=r.topk, num_experts=r.num_experts,
                                 num_tokens=rr.expected_rows(len(s.prompt_ids), len(s.output_ids)))
-        if problem == "routing_missing" and not self.routing_seen:
+        if problem == "routing_missing" and not self.routing_seen and self.strict_routing:
             raise RuntimeError("algo.routing_replay=r3 but the rollout server answered without "
                                "meta_info.routed_experts: start SGLang with --enable-return-routed-experts (the "
                                "launcher adds it for a MoE model; servers given by rollout.urls need it too)")
@@ -123,15 +136,26 @@ class GroupMaker:
                 self.routing_counts[problem] += 1
 
     def score(self, groups: list[Group]) -> None:
-        samples = [s for g in groups for s in g.samples if s.finish_reason != "abort"]
+        """The recipe's reward of each usable sample's text (its policy tokens; the environment's are not the
+        policy's answer), unless the rollout function gave the reward."""
+        samples = [s for g in groups for s in g.samples if s.finish_reason != "abort" and s.rollout_problem is None]
         for s in samples:
-            s.text = self.tok.decode(s.output_ids, skip_special_tokens=True)
+            s.text = self.tok.decode(s.policy_ids, skip_special_tokens=True)
+        samples = [s for s in samples if s.reward is None]
         with self.reward_lock:
             scores, stats = self.rewards.score([s.text for s in samples], [s.answer for s in samples])
             for k, v in stats.as_dict().items():
                 self.reward_stats[k] = self.reward_stats.get(k, 0) + v
         for s, r in zip(samples, scores):
             s.reward = float(r)
+
+    def score_one(self, text: str, answer: str) -> float:
+        """ctx.reward of a rollout function: the recipe's reward, counted with the rest (blocking)."""
+        with self.reward_lock:
+            (score,), stats = self.rewards.score([text], [answer])
+            for k, v in stats.as_dict().items():
+                self.reward_stats[k] = self.reward_stats.get(k, 0) + v
+        return float(score)
 
     def informative(self, group: Group) -> bool:
         return informative(group, self.filter_metric)
@@ -158,7 +182,8 @@ class GroupMaker:
         if seen:
             filt["filter_groups/dropped_frac"] = counts["dropped_groups"] / seen
         routing = {f"routing/dropped/{k}": v for k, v in bad_routing.items()}
-        return GenStats(rewards, (tokens - last_tokens) / max(now - last_t, 1e-9), {**filt, **mismatch, **routing})
+        return GenStats(rewards, (tokens - last_tokens) / max(now - last_t, 1e-9),
+                        {**filt, **mismatch, **routing, **self.runner.stats()})
 
     def note_mismatch(self, metrics: dict) -> None:
         with self.reward_lock:
@@ -195,8 +220,31 @@ def _trace_request(gid: str, t0: float, fut) -> None:
 
 
 def _answered(samples) -> list[Sample]:
-    """Samples with output that was not aborted (nor unusable routing data): the ones recomputed and trained on."""
-    return [s for s in samples if s.output_ids and s.finish_reason != "abort" and s.routing_problem is None]
+    """Samples with output that was not aborted (nor unusable routing data or rollout results): the ones
+    recomputed and trained on."""
+    return [s for s in samples if s.output_ids and s.finish_reason != "abort" and s.routing_problem is None
+            and s.rollout_problem is None]
+
+
+def as_episode(o) -> Episode:
+    """An Episode as is; a client SampleResult (one engine sample, all of it the policy's) as one."""
+    if isinstance(o, Episode):
+        return o
+    return Episode(RolloutResult(token_ids=list(o.output_ids), loss_mask=[1] * len(o.output_ids),
+                                 logprobs=list(o.output_logprobs), versions=[int(v) for v in o.token_versions],
+                                 finish_reason=o.finish_reason, routed_experts=getattr(o, "routed_experts", None)))
+
+
+def sample_of(ep: Episode, sid: str, group: Group) -> Sample:
+    if ep.result is None:  # dropped as bad_rollout by build_step_batch; why, in its metadata
+        return Sample(sample_id=sid, group_id=group.group_id, prompt_ids=group.prompt_ids, output_ids=[], logprobs=[],
+                      versions=[], finish_reason="stop", answer=group.answer, rollout_problem=ep.problem,
+                      metadata={"problem": ep.detail})
+    r = ep.result
+    return Sample(sample_id=sid, group_id=group.group_id, prompt_ids=group.prompt_ids, output_ids=list(r.token_ids),
+                  logprobs=list(r.logprobs), versions=list(r.versions), finish_reason=r.finish_reason,
+                  answer=group.answer, reward=r.reward, loss_mask=None if all(r.loss_mask) else list(r.loss_mask),
+                  metadata=dict(r.metadata))
 
 
 def engine_mismatch(engine: list[list[float]], trainer: list[list[float]]) -> dict:

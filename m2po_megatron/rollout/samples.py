@@ -31,10 +31,36 @@ class Sample:
     # num_layers, top_k], int16 (int32 past 32767 experts); None otherwise (rollout/routing.py).
     routed_experts: Optional[Any] = None
     routing_problem: Optional[str] = None  # why the engine's routing data was unusable (dropped: bad_routing)
+    # A rollout function's sample (agents/runner.py): 1 on the policy's tokens, 0 on the environment's (their
+    # log-prob 0.0 and version -1 are never read); None: every output token is the policy's.
+    loss_mask: Optional[list[int]] = None
+    rollout_problem: Optional[str] = None  # why the rollout function's result was unusable (dropped: bad_rollout)
+    metadata: dict = field(default_factory=dict)  # the rollout function's, kept with the sample
+
+    @property
+    def policy_versions(self) -> list[int]:
+        """The weight version of each of the policy's tokens (the environment's have none)."""
+        if self.loss_mask is None:
+            return self.versions
+        return [v for v, m in zip(self.versions, self.loss_mask) if m]
 
     @property
     def min_version(self) -> int:
-        return min(self.versions) if self.versions else -1
+        """The version of the oldest policy token: the sample's staleness is measured from it."""
+        v = self.policy_versions
+        return min(v) if v else -1
+
+    @property
+    def policy_logprobs(self) -> list[float]:
+        if self.loss_mask is None:
+            return self.logprobs
+        return [x for x, m in zip(self.logprobs, self.loss_mask) if m]
+
+    @property
+    def policy_ids(self) -> list[int]:
+        if self.loss_mask is None:
+            return self.output_ids
+        return [t for t, m in zip(self.output_ids, self.loss_mask) if m]
 
 
 @dataclass
@@ -46,6 +72,7 @@ class Group:
     prompt_ids: list[int]
     answer: str
     samples: list[Sample] = field(default_factory=list)
+    row: Optional[dict] = None  # the data row (a rollout function's ctx.row; regenerated after a restart)
 
     @property
     def sample_ids(self) -> list[str]:
@@ -56,6 +83,8 @@ def _unusable(s: Sample) -> Optional[str]:
     """The ledger reason a sample is never trained on, whatever its staleness (None: usable)."""
     if s.finish_reason == "abort":
         return "aborted"
+    if s.rollout_problem is not None:
+        return "bad_rollout"
     if not s.output_ids:
         return "filtered"
     if s.routing_problem is not None:
@@ -88,23 +117,23 @@ def build_step_batch(groups: Sequence[Group], version: int, ledger, *, max_stale
                      drop_too_stale: bool = True, norm_by_std: bool = True, eps: float = 1e-6) -> StepBatch:
     """Turn scored groups into the trainer's batch at trainer `version`.
 
-    Drops (recorded in the ledger with a reason): aborted samples (`aborted`), samples with no output
-    tokens (`filtered`), samples whose routing-replay data was unusable (`bad_routing`, see
+    Drops (recorded in the ledger with a reason): aborted samples (`aborted`), a rollout function's unusable
+    results (`bad_rollout`, agents/runner.py), samples with no output tokens (`filtered`), samples whose
+    routing-replay data was unusable (`bad_routing`, see
     rollout/routing.py), and, when `drop_too_stale`, samples whose oldest token is more than
     `max_staleness` updates behind (`too_stale`). Advantages are group-normalised over the samples that
     remain, so a dropped sample never shifts its siblings' baseline by a reward that is not trained on."""
     keep: list[Sample] = []
     stale_drops: list[str] = []
+    future = 0
     for g in groups:
-        aborted = [s.sample_id for s in g.samples if s.finish_reason == "abort"]
-        empty = [s.sample_id for s in g.samples if s.finish_reason != "abort" and not s.output_ids]
-        bad = [s.sample_id for s in g.samples if _unusable(s) == "bad_routing"]
-        if aborted:
-            ledger.drop(aborted, "aborted")
-        if empty:
-            ledger.drop(empty, "filtered")
-        if bad:
-            ledger.drop(bad, "bad_routing")
+        for s in g.samples:  # versions a rollout function made up: the ledger would refuse them
+            if _unusable(s) is None and s.policy_versions and max(s.policy_versions) > version:
+                s.rollout_problem, future = "missing_versions", future + 1
+        for reason in ("aborted", "bad_rollout", "filtered", "bad_routing"):
+            ids = [s.sample_id for s in g.samples if _unusable(s) == reason]
+            if ids:
+                ledger.drop(ids, reason)
         for s in g.samples:
             if _unusable(s):
                 continue
@@ -119,6 +148,8 @@ def build_step_batch(groups: Sequence[Group], version: int, ledger, *, max_stale
 
     metrics: dict = {"samples/dropped_this_step": len(stale_drops) + sum(
         1 for g in groups for s in g.samples if _unusable(s))}
+    if future:
+        metrics["rollout_fn/dropped/future_versions"] = future
     if not keep:
         return StepBatch(None, [], metrics)
 
@@ -127,17 +158,22 @@ def build_step_batch(groups: Sequence[Group], version: int, ledger, *, max_stale
     group_index = torch.tensor([gids[s.group_id] for s in keep])
     adv = grpo_advantages(rewards, group_ids=group_index, norm_by_std=norm_by_std, eps=eps)
 
-    ledger.consume([s.sample_id for s in keep], version, [list(s.versions) for s in keep])
+    ledger.consume([s.sample_id for s in keep], version, [list(s.policy_versions) for s in keep])
     routed = {"routed_experts": [routed_rows(s) for s in keep]} if any(
         s.routed_experts is not None for s in keep) else {}  # R3 only: a dense run's batch is unchanged
+    masked = any(s.loss_mask is not None and not all(s.loss_mask) for s in keep)
     batch = TrainBatch(
         input_ids=[torch.tensor(s.prompt_ids + s.output_ids, dtype=torch.long) for s in keep],
         prompt_lens=[len(s.prompt_ids) for s in keep],
         behav_log_probs=[torch.tensor(s.logprobs, dtype=torch.float32) for s in keep],
         advantages=adv.float(),
+        # environment tokens inside responses only: a batch of the policy's tokens alone is as before
+        **({"loss_mask": [torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * len(s.output_ids),
+                                       dtype=torch.bool) for s in keep]} if masked else {}),
         **routed,
     )
     lengths = [len(s.output_ids) for s in keep]
+    policy = [len(s.policy_ids) for s in keep]
     metrics.update({
         "reward/mean": float(rewards.mean()),
         "reward/max": float(rewards.max()),
@@ -148,5 +184,7 @@ def build_step_batch(groups: Sequence[Group], version: int, ledger, *, max_stale
         "advantage/abs_mean": float(adv.abs().mean()),
         "batch/sequences": len(keep),
         "batch/tokens": sum(lengths) + sum(len(s.prompt_ids) for s in keep),
+        **({"batch/policy_tokens": sum(policy), "response/env_token_frac": 1 - sum(policy) / max(sum(lengths), 1)}
+           if masked else {}),
     })
     return StepBatch(batch, keep, metrics)

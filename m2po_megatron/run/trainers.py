@@ -83,8 +83,9 @@ class Ranks:
                            prompt_lens=[len(s.prompt_ids) for s in samples],
                            routed_experts=routed if any(r is not None for r in routed) else None)
         logps = self.call("compute_log_probs", ray.put(batch), what="recomputing behaviour log-probs")[0]
-        for s, lp in zip(samples, logps):
-            s.logprobs = [float(x) for x in lp]
+        for s, lp in zip(samples, logps):  # an environment token's stays 0.0: it has no behaviour policy
+            mask = s.loss_mask or [1] * len(s.output_ids)
+            s.logprobs = [float(x) if m else 0.0 for x, m in zip(lp, mask)]
 
     def kill(self) -> None:
         self.group.kill()

@@ -14,6 +14,7 @@ DROP_REASONS = (
     "interrupted",  # in flight when the run stopped; regenerated after resume under a new id
     "zero_variance",  # its group's rewards were all equal (train.filter_groups: zero advantage, nothing to learn)
     "bad_routing",  # algo.routing_replay=r3: the engine's routed experts were missing or malformed (rollout/routing.py)
+    "bad_rollout",  # rollout.function's result was unusable: raised, timed out, malformed (agents/runner.py)
 )
 
 
