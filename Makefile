@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-moe test test-sglang setup clean toy-table1 toy-table1-fair toy-calibration
+.PHONY: demo demo-moe demo-agent test test-sglang setup clean toy-table1 toy-table1-fair toy-calibration
 
 setup:
 	@VENV=$(VENV) tools/bootstrap.sh
@@ -19,6 +19,16 @@ demo-moe: setup
 		--target-accuracy 0.4 --moe
 	$(PY) -m m2po_megatron.cli train recipes/tiny-moe-cpu.yaml --resume auto
 	$(PY) -m m2po_megatron.cli plot runs/tiny-moe-cpu --out runs/tiny-moe-cpu/plot.png
+
+# The embedded default for tool-using agents (recipes/tiny-agent-cpu.yaml, docs/demo.md): a tiny model that may call
+# a calculator (multi-turn episodes of m2po_megatron/examples/calculator.py), task built once under
+# .cache/tiny-agent-task; prints held-out success before and after. Resumable like demo-moe.
+demo-agent: setup
+	@test -f .cache/tiny-agent-task/build_info.json || $(PY) tools/build_tiny_model.py .cache/tiny-agent-task --seed 0 \
+		--agent
+	$(PY) -m m2po_megatron.cli train recipes/tiny-agent-cpu.yaml --resume auto
+	$(PY) -m m2po_megatron.cli plot runs/tiny-agent-cpu --out runs/tiny-agent-cpu/plot.png
+	$(PY) -m m2po_megatron.demo.tiny_agent runs/tiny-agent-cpu
 
 # Table 1 at toy scale on this machine (docs/reproduce.md): 15 runs, 2 at a time, resumable; then the report.
 toy-table1: setup

@@ -62,3 +62,31 @@ def tiny_task(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-task")
     build_tiny_task(out, seed=0, log=lambda *_: None)
     return out
+
+
+@pytest.fixture(scope="session")
+def moe_task(tiny_task, tmp_path_factory):
+    """The tiny task's tokenizer and data beside a random tiny Qwen3-MoE (transformers' own init and save)."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    out = tmp_path_factory.mktemp("moe-task")
+    for f in tiny_task.iterdir():
+        if f.suffix in (".jsonl", ".jinja") or f.name.startswith("tokenizer") or f.name == "generation_config.json":
+            shutil.copy(f, out / f.name)
+    dense = json.loads((tiny_task / "config.json").read_text())
+    cfg = Qwen3MoeConfig(vocab_size=dense["vocab_size"], hidden_size=dense["hidden_size"],
+                         intermediate_size=dense["intermediate_size"], moe_intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=dense["num_attention_heads"],
+                         num_key_value_heads=dense["num_key_value_heads"],
+                         head_dim=dense["hidden_size"] // dense["num_attention_heads"], num_experts=4,
+                         num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
+                         max_position_embeddings=dense["max_position_embeddings"], bos_token_id=dense["bos_token_id"],
+                         eos_token_id=dense["eos_token_id"], pad_token_id=dense["pad_token_id"],
+                         architectures=["Qwen3MoeForCausalLM"])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
+    return out

@@ -33,6 +33,7 @@ class Episode:
     result: Optional[RolloutResult]
     problem: Optional[str] = None
     detail: str = ""
+    server: str = ""  # the server the group's calls went to (the run timeline's row)
 
 
 def _is_int(x) -> bool:
@@ -169,6 +170,8 @@ class RolloutRunner:
         else:
             eps = self._judge(group_id, n, task.result(), len(prompt_ids))
         self._account(eps, gc, log)
+        for e in eps:
+            e.server = gc.server or ""
         return eps
 
     def _all(self, gid: str, n: int, problem: str, detail: str) -> list[Episode]:

@@ -214,9 +214,10 @@ def _trace_request(gid: str, t0: float, fut) -> None:
     if fut.cancelled() or fut.exception() is not None:
         trace.complete("generate", "request", t0, t1, tid="failed", args={"group": gid})
         return
-    res = fut.result()
-    trace.complete("generate", "request", t0, t1, tid=(res[0].server or "server") if res else "server",
-                   args={"group": gid, "n": len(res), "tokens": sum(len(r.output_ids) for r in res)})
+    eps = [as_episode(r) for r in fut.result()]
+    tokens = sum(len(e.result.token_ids) for e in eps if e.result is not None)
+    trace.complete("generate", "request", t0, t1, tid=(eps[0].server or "server") if eps else "server",
+                   args={"group": gid, "n": len(eps), "tokens": tokens})
 
 
 def _answered(samples) -> list[Sample]:
@@ -232,7 +233,8 @@ def as_episode(o) -> Episode:
         return o
     return Episode(RolloutResult(token_ids=list(o.output_ids), loss_mask=[1] * len(o.output_ids),
                                  logprobs=list(o.output_logprobs), versions=[int(v) for v in o.token_versions],
-                                 finish_reason=o.finish_reason, routed_experts=getattr(o, "routed_experts", None)))
+                                 finish_reason=o.finish_reason, routed_experts=getattr(o, "routed_experts", None)),
+                   server=getattr(o, "server", ""))
 
 
 def sample_of(ep: Episode, sid: str, group: Group) -> Sample:

@@ -22,6 +22,7 @@ def test_two_turn_function_trains_with_environment_tokens_masked(tiny_task, tmp_
                                              "staleness.max_staleness=2", "staleness.sync_interval=1",
                                              "train.steps=3", "rollout.max_new_tokens=12"))
     ok(p)
+    assert "exception calling callback" not in p.stdout + p.stderr  # e.g. the timeline's span of a group
     rows = steps(tmp_path / "two")
     assert len(rows) == 3
     assert_accounting(rows)
@@ -93,9 +94,10 @@ def test_two_turns_compose_fixed_lag_dp2_filter_groups_trainer_logprobs_eval_and
     rows = steps(tmp_path / "lag")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert_accounting(rows)
-    for r in rows:
-        assert 0 < r["response/env_token_frac"] < 1 and r["staleness/max"] == 2  # lag 1 x 2 updates
-        assert r["engine_mismatch/kl_k1"] == pytest.approx(0.0, abs=0.05)  # policy tokens only, same weights
+    trained = [r for r in rows if "batch/sequences" in r]  # filter_groups may leave a step nothing to train
+    assert trained and all(0 < r["response/env_token_frac"] < 1 and r["staleness/max"] <= 2 for r in trained)
+    mismatch = [r["engine_mismatch/kl_k1"] for r in rows if "engine_mismatch/kl_k1" in r]
+    assert mismatch and all(abs(k) < 1e-4 for k in mismatch)  # policy tokens only, at equal weights
     evals = [r for r in (json.loads(x) for x in (tmp_path / "lag" / "metrics.jsonl").read_text().splitlines())
              if any(k.endswith("/pass@1") for k in r)]
     assert evals and all(r["eval_fn/custom/turns"] == 2.0 and 0 <= r["eval/avg/pass@1"] <= 100 for r in evals)
@@ -114,3 +116,20 @@ def test_two_turns_compose_bounded_gspo_rollout_correction_in_place(tiny_task, t
     for r in rows:
         assert r["staleness/max"] <= 2 and 0 < r["response/env_token_frac"] < 1
         assert r["rollout_corr/kl_k1"] != 0 and r["num_tokens"] <= r["batch/policy_tokens"]
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 60)
+def test_two_turns_with_r3_replay_on_the_tiny_moe(moe_task, tmp_path):
+    """R3 with a multi-turn episode: the last turn's routed experts cover the whole context (the environment's
+    tokens included, as the engine prefilled them) and replay in the trainer; EP 2 over DP 2."""
+    p = m2po("train", "tiny-cpu", *overrides(moe_task, tmp_path, "moe", fn("two_turns"), "algo.routing_replay=r3",
+                                             "parallel.tensor_model_parallel_size=1", "parallel.data_parallel_size=2",
+                                             "parallel.expert_model_parallel_size=2",
+                                             "parallel.use_distributed_optimizer=true", "staleness.mode=bounded",
+                                             "staleness.max_staleness=2", "train.steps=2"))
+    ok(p)
+    rows = steps(tmp_path / "moe")
+    assert_accounting(rows)
+    for r in rows:
+        assert r["samples/dropped/bad_routing"] == 0 and r["routing/replayed_seqs"] > 0 and r["routing/replayed_tokens"] > 0
+        assert 0 < r["response/env_token_frac"] < 1
