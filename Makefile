@@ -28,7 +28,7 @@ demo-agent: setup
 		--agent
 	$(PY) -m m2po_megatron.cli train recipes/tiny-agent-cpu.yaml --resume auto
 	$(PY) -m m2po_megatron.cli plot runs/tiny-agent-cpu --out runs/tiny-agent-cpu/plot.png
-	$(PY) -m m2po_megatron.demo.tiny_agent runs/tiny-agent-cpu
+	$(PY) tools/demo_agent_report.py runs/tiny-agent-cpu
 
 # Table 1 at toy scale on this machine (docs/reproduce.md): 15 runs, 2 at a time, resumable; then the report.
 toy-table1: setup

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from m2po_megatron.config import ConfigError, load_config
-from m2po_megatron.demo.tiny_model import (INFO_FILE, TinyModelSpec, TinyMoeSpec, _tiny_lm, _warmup_loss,
+from m2po_megatron.demo.tiny_model import (INFO_FILE, TinyModelSpec, TinyMoeSpec, tiny_lm, warmup_loss,
                                            build_tiny_task)
 from tools.build_tiny_model import main as build_main
 
@@ -73,15 +73,15 @@ def test_the_warmup_adds_the_routers_load_balancing_loss():
 
     tok, moe = build_tiny_tokenizer(), TinyMoeSpec(router_aux_loss_coef=0.5)  # large enough to tell apart
     torch.manual_seed(0)
-    lm = _tiny_lm(tok, TinyModelSpec(), moe)
+    lm = tiny_lm(tok, TinyModelSpec(), moe)
     ids = torch.randint(3, len(tok), (2, 12))
     att, lab = torch.ones_like(ids), ids.clone()
     plain = lm(input_ids=ids, attention_mask=att, labels=lab)
     routed = lm(input_ids=ids, attention_mask=att, labels=lab, output_router_logits=True)
     assert plain.aux_loss is None and routed.aux_loss > 0
-    got = _warmup_loss(lm, ids, att, lab, moe)
+    got = warmup_loss(lm, ids, att, lab, moe)
     torch.testing.assert_close(got, plain.loss + 0.5 * routed.aux_loss)
-    assert torch.equal(_warmup_loss(lm, ids, att, lab, None), plain.loss)  # dense: the plain loss
+    assert torch.equal(warmup_loss(lm, ids, att, lab, None), plain.loss)  # dense: the plain loss
 
 
 def test_the_moe_recipe_validates_on_the_built_model(built):

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .synthetic import TEMPLATE
-from .tiny_model import INFO_FILE, TRAIN_FILE, EVAL_FILE, TinyModelSpec, TinyTaskPaths, _tiny_lm, _warmup_loss, \
+from .tiny_model import INFO_FILE, TRAIN_FILE, EVAL_FILE, TinyModelSpec, TinyTaskPaths, tiny_lm, warmup_loss, \
     chat_prompt
 
 SOURCE = "synthetic/calculator"
@@ -241,7 +241,7 @@ def build_tiny_agent_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 
         traces = [trace_segments(tok, r, pick.random() < p_call) for r in warm_rows]
 
         torch.manual_seed(seed)
-        lm = _tiny_lm(tok, model, None)
+        lm = tiny_lm(tok, model, None)
         opt = torch.optim.AdamW(lm.parameters(), lr=lr, weight_decay=0.0)
 
         def batch(items):
@@ -260,7 +260,7 @@ def build_tiny_agent_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 
         while step < max_warmup_steps:
             lm.train()
             ids, lab, att = batch([traces[order[(step * batch_size + j) % len(order)]] for j in range(batch_size)])
-            loss = _warmup_loss(lm, ids, att, lab, None)
+            loss = warmup_loss(lm, ids, att, lab, None)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
@@ -298,50 +298,3 @@ def build_tiny_agent_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 
     finally:
         torch.set_num_threads(threads)
     return TinyTaskPaths(str(out), str(out / TRAIN_FILE), str(out / EVAL_FILE), str(out / INFO_FILE))
-
-
-CUSTOM = ("turns", "tool_calls", "used_tool", "tool_call_success")
-
-
-def summarize(run_dir: str | Path) -> list[str]:
-    """`make demo-agent`'s report of a run: held-out success (eval/avg/pass@1, the calculator's episodes) at
-    the first and last evaluation, and what the episodes logged (rollout/custom/*) and their reward over the
-    first and last five steps."""
-    from ..run.metrics import read_metrics
-
-    rows = read_metrics(Path(run_dir) / "metrics.jsonl")
-    evals = [r for r in rows if "eval/avg/pass@1" in r]
-    train = [r for r in rows if "reward/mean" in r]
-    lines = []
-    if evals:
-        lines.append(f"held-out success: step {evals[0]['step']}: {evals[0]['eval/avg/pass@1']:.1f}% -> "
-                     f"step {evals[-1]['step']}: {evals[-1]['eval/avg/pass@1']:.1f}%  ("
-                     + ", ".join(f"{r['step']}: {r['eval/avg/pass@1']:.1f}" for r in evals) + ")")
-
-    def mean(rs, key):
-        v = [r[key] for r in rs if key in r]
-        return sum(v) / len(v) if v else float("nan")
-
-    if train:
-        head, tail = train[:5], train[-5:]
-        span = f"steps {head[0]['step']}-{head[-1]['step']} -> {tail[0]['step']}-{tail[-1]['step']}"
-        parts = [f"reward {mean(head, 'reward/mean'):.2f} -> {mean(tail, 'reward/mean'):.2f}"]
-        parts += [f"{k} {mean(head, 'rollout/custom/' + k):.2f} -> {mean(tail, 'rollout/custom/' + k):.2f}"
-                  for k in CUSTOM]
-        lines.append(f"episodes ({span}): " + ", ".join(parts))
-    return lines
-
-
-def main(argv=None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Print the held-out success and episode numbers of a demo-agent run.")
-    ap.add_argument("run_dir")
-    args = ap.parse_args(argv)
-    for line in summarize(args.run_dir) or [f"no metrics in {args.run_dir}"]:
-        print(f"[demo-agent] {line}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -48,7 +48,7 @@ class TinyMoeSpec:
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 128
     # Qwen3-MoE's own coefficient: load balancing that keeps the warm-up from collapsing onto one or two experts
-    # without weighing on the supervised loss (see _warmup_loss)
+    # without weighing on the supervised loss (see warmup_loss)
     router_aux_loss_coef: float = 0.001
 
 
@@ -85,7 +85,7 @@ def _check_reload(out: Path, tok, rows: list[dict]) -> None:
                                "differently from the one used for the warm-up")
 
 
-def _tiny_lm(tok, model: TinyModelSpec, moe: TinyMoeSpec | None):
+def tiny_lm(tok, model: TinyModelSpec, moe: TinyMoeSpec | None):
     """A freshly initialised tiny causal LM for the tokenizer (seed torch first): Qwen2, or Qwen3-MoE."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -107,7 +107,7 @@ def _tiny_lm(tok, model: TinyModelSpec, moe: TinyMoeSpec | None):
     return Qwen3MoeForCausalLM(cfg)
 
 
-def _warmup_loss(lm, ids, att, lab, moe: TinyMoeSpec | None):
+def warmup_loss(lm, ids, att, lab, moe: TinyMoeSpec | None):
     """The supervised loss. A Qwen3-MoE adds router_aux_loss_coef x its load-balancing loss only when asked for
     the router logits: asked, because the warm-up trains the routers from random and, unbalanced, could leave
     one expert (one EP rank) with most tokens, which would make the EP demo a lopsided one."""
@@ -217,7 +217,7 @@ def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n
                 r["chat_template"] = True  # a run must not wrap it again (data.apply_chat_template)
 
         torch.manual_seed(seed)
-        lm = _tiny_lm(tok, model, moe)
+        lm = tiny_lm(tok, model, moe)
         opt = torch.optim.AdamW(lm.parameters(), lr=lr, weight_decay=0.0)
 
         def batch(rows):
@@ -241,7 +241,7 @@ def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n
             lm.train()
             idx = [order[(step * batch_size + j) % len(order)] for j in range(batch_size)]
             ids, lab, att = batch([warm_rows[i] for i in idx])
-            loss = _warmup_loss(lm, ids, att, lab, moe)
+            loss = warmup_loss(lm, ids, att, lab, moe)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)

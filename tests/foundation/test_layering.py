@@ -106,7 +106,7 @@ ALLOWED = {
     "eval": {"agents", "data", "reward"},
     "convert": {"actor", "infra", "models"},
     "rollout": {"actor", "agents", "algo", "contracts", "data", "infra", "models", "staleness"},
-    "demo": {"eval", "reward"},
+    "demo": {"api", "eval", "examples", "reward"},  # the agent task's warm-up is measured with its rollout function
     "config": {"actor", "agents", "algo", "data", "models", "rollout"},
     "run": {"actor", "config", "convert", "data", "eval", "infra", "rollout"},
     "sweep": {"config", "infra", "models", "run"},
