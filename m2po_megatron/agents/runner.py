@@ -137,6 +137,7 @@ class RolloutRunner:
         self.ok_total = self.failed_total = 0
         self.failures: Counter = Counter()  # every problem of the run, for the first-step stop's message
         self.first_detail: dict[str, str] = {}
+        self.warned: Counter = Counter()  # printed lines per problem
 
     def context(self, client, row: dict, prompt_ids: list[int], seed: int, group_id: str, n: int) -> tuple:
         gc = GroupClient(client, self.routed)
@@ -207,9 +208,15 @@ class RolloutRunner:
                 self.dropped[e.problem] += 1
                 self.failures[e.problem] += 1
                 self.first_detail.setdefault(e.problem, e.detail)
-                if self.failures[e.problem] <= WARN_PER_PROBLEM and e.problem != "rejected":  # rejected: on purpose
+            shown = set()  # a group-level problem has one detail for its n samples: said once
+            for e in bad:
+                if e.problem == "rejected" or (e.problem, e.detail) in shown:  # rejected: on purpose
+                    continue
+                shown.add((e.problem, e.detail))
+                self.warned[e.problem] += 1
+                if self.warned[e.problem] <= WARN_PER_PROBLEM:
                     more = " (later ones only counted: rollout_fn/dropped/*)" if (
-                        self.failures[e.problem] == WARN_PER_PROBLEM) else ""
+                        self.warned[e.problem] == WARN_PER_PROBLEM) else ""
                     print(f"[m2po] rollout.function {self.name!r}: dropped ({e.problem}): {e.detail}{more}",
                           flush=True)
             stop = self.fail_limit and not self.ok_total and self.failed_total >= self.fail_limit
@@ -262,6 +269,13 @@ def runner_for(cfg, tokenizer, score, routed_experts: bool = False, *, function_
                          n=r.n_samples_per_prompt, timeout_s=r.get("function_timeout_s"), score=score,
                          routed_experts=routed_experts, vocab_size=hf.vocab_size,
                          max_tokens=min(t.micro_batch_tokens, context), tool_parser=load_tool_parser(
-                             r.get("tool_call_parser")), args=dict(r.get("function_args") or {}),
+                             r.get("tool_call_parser")), args=_plain(r.get("function_args")),
                          fail_limit=t.prompts_per_step * r.n_samples_per_prompt if fail_limit is None else fail_limit,
                          max_context=context, evaluation=function_key == "eval.function")
+
+
+def _plain(args) -> dict:
+    """rollout.function_args as plain dicts and lists (the recipe's are OmegaConf's containers)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.to_container(args, resolve=True) if isinstance(args, DictConfig) else dict(args or {})

@@ -28,7 +28,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from m2po_megatron.agents.types import ToolCall, ToolParser
 
-_TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {}
+__all__ = ["make_tool_parser", "register_tool_parser", "registered_tool_parsers", "TagToolParser",
+           "SGLangToolParser", "format_call", "render_ids", "render_suffix"]
+
+KEY = "rollout.tool_call_parser"
+_TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {}  # name -> factory (registered names before SGLang's)
 
 
 def register_tool_parser(name: str, factory: Callable[[], ToolParser]) -> None:
@@ -38,10 +42,6 @@ def register_tool_parser(name: str, factory: Callable[[], ToolParser]) -> None:
 
 def registered_tool_parsers() -> dict[str, Callable[[], ToolParser]]:
     return dict(_TOOL_PARSERS)
-
-__all__ = ["make_tool_parser", "TagToolParser", "SGLangToolParser", "format_call", "render_ids", "render_suffix"]
-
-KEY = "rollout.tool_call_parser"
 
 
 def _function(tool: Mapping) -> dict:
@@ -129,7 +129,7 @@ def _sglang_parsers() -> Optional[dict]:
     """SGLang's --tool-call-parser names -> detector classes, or None without sglang."""
     try:
         from sglang.srt.function_call.function_call_parser import FunctionCallParser
-    except ImportError:
+    except Exception:  # not installed, or installed without what its import needs here (CUDA, a kernel)
         return None
     return dict(FunctionCallParser.ToolCallParserEnum)
 

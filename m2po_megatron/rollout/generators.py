@@ -435,4 +435,3 @@ def make_generator(cfg, client, rewards, tokenizer, prompts: PromptStream, ledge
     lag = FixedLagQueue(s.lag_steps, t.updates_per_step) if s.mode == "fixed_lag" else None
     recompute = trainers.recompute_behaviour_logprobs if s.behav_logprob_source == "trainer" else None
     return SyncGenerator(maker, prompts, ledger, t.prompts_per_step, lag, recompute, max_gen_batches=budget)
-

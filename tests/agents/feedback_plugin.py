@@ -10,6 +10,7 @@ Malformed variants (for the drop-accounting test) are below the good one.
 from __future__ import annotations
 
 import asyncio
+import re
 import zlib
 
 from m2po_megatron.api import RolloutContext, RolloutResult, Trajectory
@@ -122,7 +123,7 @@ async def no_versions(ctx: RolloutContext) -> list[RolloutResult]:
 
 
 async def never_returns(ctx: RolloutContext) -> list[RolloutResult]:
-    await asyncio.Event().wait()                          # sleeps forever (cancellable)
+    await asyncio.Event().wait()                          # sleeps forever; the run cancels it (timeout)
     raise AssertionError("unreachable")
 
 
@@ -130,10 +131,9 @@ VARIANTS = [feedback, bad_mask_len, some_none, no_versions, never_returns]
 
 
 def _group_index(group_id) -> int:
-    try:
-        return int(group_id)
-    except (TypeError, ValueError):
-        return zlib.crc32(str(group_id).encode())
+    """The page does not say what a group id is; in practice it is a string such as "g15"."""
+    m = re.search(r"(\d+)$", str(group_id))
+    return int(m.group(1)) if m else zlib.crc32(str(group_id).encode())
 
 
 async def mixed(ctx: RolloutContext) -> list[RolloutResult]:

@@ -186,3 +186,15 @@ def test_buffered_masked_samples_survive_a_checkpoint_as_json():
     back = group_from_dict(json.loads(json.dumps(group_to_dict(g))))
     assert [s.__dict__ for s in back.samples] == [s.__dict__ for s in g.samples]
     assert back.samples[0].loss_mask == [1, 0, 1] and back.samples[1].rollout_problem == "timeout"
+
+
+def test_a_group_level_drop_is_printed_once_and_later_ones_only_counted(capsys):
+    async def raises(ctx):
+        raise KeyError("tool")
+
+    r = runner(raises)
+    for g in range(5):
+        run_group(r, f"g{g}")
+    lines = [x for x in capsys.readouterr().out.splitlines() if "dropped (error)" in x]
+    assert len(lines) == 3 and "later ones only counted" in lines[-1]  # one per group, then silence
+    assert r.stats()["rollout_fn/dropped/error"] == 5 * N
