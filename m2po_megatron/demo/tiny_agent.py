@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .synthetic import TEMPLATE
-from .tiny_model import INFO_FILE, TRAIN_FILE, EVAL_FILE, TinyModelSpec, TinyTaskPaths, tiny_lm, warmup_loss, \
-    chat_prompt
+from .tiny_model import (EVAL_FILE, INFO_FILE, TRAIN_FILE, TinyModelSpec, TinyTaskPaths, chat_prompt, save_task,
+                         tiny_lm, warmup_loss)
 
 SOURCE = "synthetic/calculator"
 CALL_OPEN, CALL_CLOSE, RESULT_OPEN, RESULT_CLOSE = '<call name="calc">', "</call>", "<result>", "</result>"
@@ -216,7 +216,6 @@ def build_tiny_agent_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 
     train/eval JSONL, build_info.json) and return its paths. Eval, calibration, train and warm-up problems are
     disjoint."""
     import torch
-    from transformers import GenerationConfig
 
     if not 0 < target_success < 1:
         raise ValueError(f"target_success must be in (0, 1), got {target_success}")
@@ -277,16 +276,7 @@ def build_tiny_agent_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 
         final = episode_success(lm, tok, eval_rows, seed=seed + 10**6)
         log(f"warm-up done after {step} steps: held-out sampled success {final['success']:.3f}")
 
-        lm.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                                pad_token_id=tok.pad_token_id, do_sample=True,
-                                                temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=24)
-        lm.save_pretrained(out, safe_serialization=True)
-        tok.save_pretrained(out)
-        _check_reload(out, tok, eval_rows[:8])
-        for name, rows in ((TRAIN_FILE, train_rows), (EVAL_FILE, eval_rows)):
-            with open(out / name, "w") as f:
-                for r in rows:
-                    f.write(json.dumps(r) + "\n")
+        save_task(out, lm, tok, train_rows, eval_rows, max_new_tokens=24, check_reload=_check_reload)
         info = {"task": "calculator", "seed": seed, "spec": asdict(spec), "model": asdict(model),
                 "warmup_steps": step, "target_success": target_success, "p_call": p_call,
                 "check_every": check_every, "eval_sampled_success": final["success"], "eval_episode": final,

@@ -73,6 +73,25 @@ def sampled_accuracy(model, tokenizer, rows: list[dict], seed: int, temperature:
 DEFAULT_SPEC = SumSpec(min_terms=2, max_terms=3, max_value=9)  # 1,100 distinct problems
 
 
+def save_task(out: Path, lm, tok, train_rows: list[dict], eval_rows: list[dict], max_new_tokens: int,
+              check_reload=None) -> None:
+    """The warmed-up model (sampling at temperature 1 by default), its tokenizer, checked to reload
+    (check_reload(out, tok, rows); default: the sums task's texts tokenize alike), and the train/eval JSONL of a
+    tiny task."""
+    from transformers import GenerationConfig
+
+    lm.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                            pad_token_id=tok.pad_token_id, do_sample=True, temperature=1.0,
+                                            top_p=1.0, top_k=0, max_new_tokens=max_new_tokens)
+    lm.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    (check_reload or _check_reload)(out, tok, eval_rows[:8])
+    for name, rows in ((TRAIN_FILE, train_rows), (EVAL_FILE, eval_rows)):
+        with open(out / name, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
 def _check_reload(out: Path, tok, rows: list[dict]) -> None:
     """AutoTokenizer on the model directory must tokenize exactly as the tokenizer the model learned with."""
     from transformers import AutoTokenizer
@@ -192,7 +211,6 @@ def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n
     ``disjoint_train``, which draws the warm-up from the problems left after eval, calibration and train;
     ``uniform_splits`` gives every split the same mix of 2- and 3-term sums (see task_splits)."""
     import torch
-    from transformers import GenerationConfig
 
     from .tiny_tokenizer import build_tiny_tokenizer
 
@@ -256,16 +274,7 @@ def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n
         eval_acc = sampled_accuracy(lm, tok, eval_rows, seed=seed + 10**6)
         log(f"warm-up done after {step} steps: held-out sampled accuracy {eval_acc:.3f}")
 
-        lm.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                                pad_token_id=tok.pad_token_id, do_sample=True,
-                                                temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=32)
-        lm.save_pretrained(out, safe_serialization=True)
-        tok.save_pretrained(out)
-        _check_reload(out, tok, eval_rows[:8])
-        for name, rows in ((TRAIN_FILE, train_rows), (EVAL_FILE, eval_rows)):
-            with open(out / name, "w") as f:
-                for r in rows:
-                    f.write(json.dumps(r) + "\n")
+        save_task(out, lm, tok, train_rows, eval_rows, max_new_tokens=32)
         info = {"seed": seed, "spec": asdict(spec), "model": asdict(model), "warmup_steps": step,
                 "target_accuracy": target_accuracy, "check_every": check_every, "eval_sampled_accuracy": eval_acc,
                 "history": history, "n_train": n_train, "n_eval": n_eval, "n_calibration": n_calibration,

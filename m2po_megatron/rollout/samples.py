@@ -37,12 +37,14 @@ class Sample:
     rollout_problem: Optional[str] = None  # why the rollout function's result was unusable (dropped: bad_rollout)
     metadata: dict = field(default_factory=dict)  # the rollout function's, kept with the sample
 
+    def policy(self, values: list) -> list:
+        """The entries of `values` (one per output token) at the policy's tokens (the environment's dropped)."""
+        return values if self.loss_mask is None else [v for v, m in zip(values, self.loss_mask) if m]
+
     @property
     def policy_versions(self) -> list[int]:
         """The weight version of each of the policy's tokens (the environment's have none)."""
-        if self.loss_mask is None:
-            return self.versions
-        return [v for v, m in zip(self.versions, self.loss_mask) if m]
+        return self.policy(self.versions)
 
     @property
     def min_version(self) -> int:
@@ -52,15 +54,11 @@ class Sample:
 
     @property
     def policy_logprobs(self) -> list[float]:
-        if self.loss_mask is None:
-            return self.logprobs
-        return [x for x, m in zip(self.logprobs, self.loss_mask) if m]
+        return self.policy(self.logprobs)
 
     @property
     def policy_ids(self) -> list[int]:
-        if self.loss_mask is None:
-            return self.output_ids
-        return [t for t, m in zip(self.output_ids, self.loss_mask) if m]
+        return self.policy(self.output_ids)
 
 
 @dataclass

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.loop.test_train_runs import RUN_TIMEOUT, assert_accounting, m2po, ok, overrides, steps
+from tests.loop.test_train_runs import (RUN_TIMEOUT, assert_accounting, m2po, ok, overrides,  # noqa: F401
+                                        small_eval, steps)
 
 PLUGINS = Path(__file__).resolve().parent / "plugins.py"
 
@@ -76,14 +77,6 @@ def test_config_refuses_a_bad_function_before_anything_starts(tmp_path, name, me
     p = m2po("config", "tiny-cpu", "--no-check-files", fn(name), timeout=120)
     assert p.returncode == 2, p.stderr
     assert "rollout.function" in p.stderr and message in p.stderr, p.stderr
-
-
-@pytest.fixture()
-def small_eval(tiny_task, tmp_path):
-    rows = (tiny_task / "eval.jsonl").read_text().splitlines()[:6]
-    path = tmp_path / "tiny_eval.jsonl"
-    path.write_text("\n".join(rows) + "\n")
-    return path
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
