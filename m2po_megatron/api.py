@@ -35,9 +35,10 @@ from m2po_megatron.agents.loader import register_rollout, registered_rollouts
 from m2po_megatron.agents.tools import make_tool_parser as tool_parser
 from m2po_megatron.agents.tools import register_tool_parser, registered_tool_parsers, render_suffix
 from m2po_megatron.agents.tools import render_ids as render_messages
-from m2po_megatron.agents.types import (Generation, RolloutContext, RolloutFunction, RolloutResult, TokenClient,
-                                        ToolCall, ToolParser, Trajectory)
+from m2po_megatron.agents.types import (Generation, RolloutContext, RolloutFunction, RolloutResult, ServerUnavailable,
+                                        TokenClient, ToolCall, ToolParser, Trajectory)
 
 __all__ = ["Generation", "TokenClient", "RolloutContext", "RolloutResult", "Trajectory", "RolloutFunction",
+           "ServerUnavailable",
            "ToolCall", "ToolParser", "register_rollout", "registered_rollouts", "register_tool_parser",
            "registered_tool_parsers", "tool_parser", "render_messages", "render_suffix"]

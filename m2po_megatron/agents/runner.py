@@ -5,7 +5,8 @@ rollout.function_timeout_s its task is cancelled. Each of the n results is check
 and versions on the policy's tokens, token ids, length limits, JSON-safe metadata); a bad one becomes an
 `Episode` with a problem, which the generators drop with the ledger reason `bad_rollout` and count as
 rollout_fn/dropped/<problem>. Nothing a plug-in returns or raises can stop the run, except that a run whose
-first step's worth of episodes all failed stops with their reasons instead of spinning."""
+first step's worth of episodes all failed stops with their reasons instead of spinning, and that the servers'
+own failure (ServerUnavailable: no server within the client's retries) stops it as it would without plug-ins."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from m2po_megatron.agents.types import RolloutContext, RolloutResult, finite
+from m2po_megatron.agents.types import RolloutContext, RolloutResult, ServerUnavailable, finite
 from m2po_megatron.agents.client import GroupClient
 
 PROBLEMS = ("error", "timeout", "bad_result", "rejected", "bad_mask", "missing_logprobs", "missing_versions",
@@ -165,6 +166,8 @@ class RolloutRunner:
             task.cancel()
             eps = self._all(group_id, n, "timeout",
                             f"the call ran past rollout.function_timeout_s = {self.timeout_s} s")
+        elif isinstance(task.exception(), ServerUnavailable):
+            raise task.exception()  # every server down past its restarts: the run stops, as without plug-ins
         elif task.exception() is not None:
             e = task.exception()
             eps = self._all(group_id, n, "error", f"raised {type(e).__name__}: {e}")

@@ -6,6 +6,11 @@ import dataclasses
 import math
 from typing import Any, Awaitable, Callable, Optional, Protocol, Sequence, runtime_checkable
 
+class ServerUnavailable(RuntimeError):
+    """No rollout server could serve a request within the client's retries: the run's failure, not the
+    plug-in's. A rollout function lets it propagate; the run then stops as it does without plug-ins."""
+
+
 @dataclasses.dataclass
 class Generation:
     """One sample of one `TokenClient.generate` call: what the engine generated after `input_ids`."""

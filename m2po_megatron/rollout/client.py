@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import Any, Sequence
 
+from m2po_megatron.agents.types import ServerUnavailable
 from m2po_megatron.rollout import _http, protocol
 
 
@@ -43,8 +44,9 @@ class ClientStats:
     per_server: dict = dataclasses.field(default_factory=dict)
 
 
-class RolloutFailed(RuntimeError):
-    """A request could not be served by any server within the retry budget."""
+class RolloutFailed(ServerUnavailable):
+    """A request could not be served by any server within the retry budget (a rollout function's runner lets it
+    through: the servers' failure, not the function's)."""
 
 
 class RolloutRequestError(ValueError):

@@ -198,3 +198,17 @@ def test_a_group_level_drop_is_printed_once_and_later_ones_only_counted(capsys):
     lines = [x for x in capsys.readouterr().out.splitlines() if "dropped (error)" in x]
     assert len(lines) == 3 and "later ones only counted" in lines[-1]  # one per group, then silence
     assert r.stats()["rollout_fn/dropped/error"] == 5 * N
+
+
+def test_the_servers_failure_is_not_the_plugins_and_stops_the_run():
+    """RolloutFailed (no server within the client's retries) passes through the runner, as it stopped the run
+    before plug-ins existed; a plug-in's own exception is a counted drop."""
+    from m2po_megatron.rollout.client import RolloutFailed
+
+    async def servers_gone(ctx):
+        raise RolloutFailed("no healthy rollout server within 300 s")
+
+    r = runner(servers_gone)
+    with pytest.raises(RolloutFailed):
+        run_group(r)
+    assert r.stats() == {}
