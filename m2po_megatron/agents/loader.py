@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import Callable, Optional
 
 DEFAULT_ROLLOUT = "single_turn"
-_ROLLOUTS: dict[str, str] = {}  # name -> "module:function" (registered names resolve before import paths)
+ROLLOUTS: dict[str, str] = {}  # name -> "module:function" (registered names resolve before import paths)
 
 
 def register_rollout(name: str, target: str) -> None:
     """Let recipes say `rollout.function: name` for the import path `target` ("package.module:function")."""
-    _ROLLOUTS[name] = target
+    ROLLOUTS[name] = target
 
 
 def registered_rollouts() -> dict[str, str]:
-    return dict(_ROLLOUTS)
+    return dict(ROLLOUTS)
 
 
 register_rollout(DEFAULT_ROLLOUT, "m2po_megatron.agents.single_turn:rollout")

@@ -32,16 +32,16 @@ __all__ = ["make_tool_parser", "register_tool_parser", "registered_tool_parsers"
            "SGLangToolParser", "format_call", "render_ids", "render_suffix"]
 
 KEY = "rollout.tool_call_parser"
-_TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {}  # name -> factory (registered names before SGLang's)
+TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {}  # name -> factory (registered names before SGLang's)
 
 
 def register_tool_parser(name: str, factory: Callable[[], ToolParser]) -> None:
     """Make `rollout.tool_call_parser: name` build its parser with factory()."""
-    _TOOL_PARSERS[name] = factory
+    TOOL_PARSERS[name] = factory
 
 
 def registered_tool_parsers() -> dict[str, Callable[[], ToolParser]]:
-    return dict(_TOOL_PARSERS)
+    return dict(TOOL_PARSERS)
 
 
 def _function(tool: Mapping) -> dict:

@@ -31,7 +31,7 @@ def test_a_registered_name_wins(monkeypatch):
         def parse(self, text, tools):
             return "mine", []
 
-    monkeypatch.setitem(api._TOOL_PARSERS, "qwen25", Mine)  # even over an SGLang name
+    monkeypatch.setitem(T.TOOL_PARSERS, "qwen25", Mine)  # even over an SGLang name (the registry restored after)
     assert T.make_tool_parser("qwen25").parse("x", []) == ("mine", [])
 
 
