@@ -127,7 +127,25 @@ async def never_returns(ctx: RolloutContext) -> list[RolloutResult]:
     raise AssertionError("unreachable")
 
 
-VARIANTS = [feedback, bad_mask_len, some_none, no_versions, never_returns]
+async def raises(ctx: RolloutContext) -> list[RolloutResult]:
+    raise RuntimeError("the environment crashed")
+
+
+async def one_empty(ctx: RolloutContext) -> list[RolloutResult]:
+    results = await feedback(ctx)
+    results[0] = RolloutResult([], [], [], [])
+    return results
+
+
+async def short_logprobs(ctx: RolloutContext) -> list[RolloutResult]:
+    results = await feedback(ctx)
+    results[-1].logprobs = results[-1].logprobs[:-1]
+    return results
+
+
+# (raises, one_empty and short_logprobs were added by the project's engineers to cover every documented reason
+# in one run; they too use only the page's names.)
+VARIANTS = [feedback, bad_mask_len, some_none, no_versions, never_returns, raises, one_empty, short_logprobs]
 
 
 def _group_index(group_id) -> int:

@@ -27,26 +27,6 @@ async def two_turns(ctx: RolloutContext) -> list[RolloutResult]:
     return list(await asyncio.gather(*(episode(i) for i in range(ctx.n))))
 
 
-async def sometimes_broken(ctx: RolloutContext) -> list[RolloutResult]:
-    """A correct single turn, except for groups whose number picks one of the malformations (g0, g8, ... raise;
-    g1, g9, ... time out; ...)."""
-    gens = await ctx.client.generate(ctx.prompt_ids, ctx.sampling_params, n=ctx.n, seed=ctx.seed)
-    good = [RolloutResult(g.token_ids, [1] * len(g.token_ids), g.logprobs, g.versions, finish_reason=g.finish_reason)
-            for g in gens]
-    kind = int(ctx.group_id.lstrip("g")) % 8
-    if kind == 0:
-        raise RuntimeError("the environment crashed")
-    if kind == 1:
-        await asyncio.sleep(3600)  # past rollout.function_timeout_s
-    if kind == 2:
-        good[0].loss_mask = good[0].loss_mask[:-1] if len(good[0].loss_mask) > 1 else [1, 1]
-    if kind == 3:
-        good[1].logprobs = good[1].logprobs[:-1] if len(good[1].logprobs) > 1 else []
-    if kind == 4:
-        good[0] = RolloutResult([], [], [], [])
-    return good
-
-
 async def always_raises(ctx: RolloutContext) -> list[RolloutResult]:
     raise ValueError("my environment is not configured")
 

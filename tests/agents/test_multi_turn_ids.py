@@ -75,16 +75,19 @@ def test_ids_are_the_engines_outputs_and_the_environments_additions(servers):
 def test_pause_modes_between_and_within_turns(servers, mode):
     """A pause lands while episodes are in their turns; after continue_generation every episode ends: whole
     (retract, in_place) or aborted (abort: dropped as `aborted` later), never hung or malformed."""
-    sampling = {"temperature": 1.0, "max_new_tokens": 40, "ignore_eos": True}
+    # long turns (hundreds of decode steps), so the pause lands inside turns; the assertions below hold
+    # wherever it lands
+    sampling = {"temperature": 1.0, "max_new_tokens": 300, "ignore_eos": True}
     runner = RolloutRunner(plugin("two_turns"), "two_turns", tokenizer=Tok(), sampling=sampling, n=N, timeout_s=120,
-                           score=lambda t, a: 0.0, vocab_size=384, max_tokens=512, args={"first_tokens": 20})
+                           score=lambda t, a: 0.0, vocab_size=384, max_tokens=1024, args={"first_tokens": 200})
 
     async def go():
         client = RolloutClient(servers)
         try:
             tasks = [asyncio.ensure_future(runner.run_group(client, {"id": f"r{g}", "answer": "1"}, [3, 4, 5],
                                                             100 * g, f"g{g}")) for g in range(4)]
-            await asyncio.sleep(0.3)
+            while not any(s["outstanding"] for s in client.stats.per_server.values()):
+                await asyncio.sleep(0.01)  # the first turns are running
             await client.pause(mode)  # within the first turns (and, for some, between them)
             await asyncio.sleep(0.5)
             await client.continue_generation()

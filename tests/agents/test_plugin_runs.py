@@ -1,6 +1,8 @@
 """Real runs with rollout plug-ins (Ray, a Megatron rank, the CPU rollout server): a two-turn function
-trains with its environment tokens masked, malformed results are dropped with counted reasons while the run
-goes on, a function that always fails stops the run with its reason, and `m2po config` refuses a bad one."""
+trains with its environment tokens masked in each staleness mode and with what it composes with, a function
+that always fails stops the run with its reason, and `m2po config` refuses a bad one. (Malformed results
+dropped with counted reasons while the run goes on: test_feedback_plugin.py, whose plug-in was written from
+docs/agents.md alone.)"""
 import json
 from pathlib import Path
 
@@ -40,26 +42,6 @@ def test_two_turn_function_trains_with_environment_tokens_masked_and_resumes(tin
         assert not any(k.startswith("rollout_fn/dropped/") for k in r), r
         # the loss's denominator: the policy's tokens only (less those MIS rejected)
         assert 0 < r["num_tokens"] <= r["batch/policy_tokens"] and r["rollout_corr/kl_k1"] != 0
-
-
-@pytest.mark.timeout(RUN_TIMEOUT + 60)
-def test_malformed_results_are_dropped_with_counted_reasons_and_the_run_goes_on(tiny_task, tmp_path):
-    p = m2po("train", "tiny-cpu", *overrides(tiny_task, tmp_path, "broken", fn("sometimes_broken"),
-                                             "rollout.function_timeout_s=5", "staleness.mode=on_policy",
-                                             "train.steps=3"))
-    ok(p)
-    rows = steps(tmp_path / "broken")
-    assert_accounting(rows)
-    dropped = {}
-    for r in rows:
-        for k, v in r.items():
-            if k.startswith("rollout_fn/dropped/"):
-                dropped[k.split("/")[-1]] = dropped.get(k.split("/")[-1], 0) + v
-    assert set(dropped) >= {"error", "timeout", "bad_mask", "missing_logprobs", "empty"}, dropped
-    # on_policy: each step's groups are consumed in that step, so the ledger's running count matches exactly
-    assert rows[-1]["samples/dropped/bad_rollout"] == sum(dropped.values()), dropped
-    assert "dropped (bad_mask): group" in p.stdout and "loss_mask has" in p.stdout
-    assert "sometimes_broken" in p.stdout
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
