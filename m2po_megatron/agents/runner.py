@@ -19,6 +19,7 @@ from typing import Callable, Optional
 from m2po_megatron.agents.types import RolloutContext, RolloutResult, ServerUnavailable, finite
 from m2po_megatron.agents.client import GroupClient
 
+# every reason a runner drops a sample for (rollout_fn/dropped/<problem>)
 PROBLEMS = ("error", "timeout", "bad_result", "rejected", "bad_mask", "missing_logprobs", "missing_versions",
             "empty", "bad_tokens", "too_long")
 WARN_PER_PROBLEM = 3  # printed in full; later ones of the same problem are only counted
@@ -62,7 +63,7 @@ def check_result(res, *, vocab_size: Optional[int], max_tokens: Optional[int], p
     if not isinstance(mask, list) or len(mask) != len(ids):
         n = len(mask) if isinstance(mask, list) else type(mask).__name__
         return "bad_mask", f"loss_mask has {n} entries for {len(ids)} token_ids"
-    if any(m not in (0, 1) or isinstance(m, float) and m not in (0.0, 1.0) for m in mask):
+    if any(m not in (0, 1) for m in mask):  # 0/1, True/False or 0.0/1.0
         return "bad_mask", "loss_mask entries must be 0 or 1"
     policy = [i for i, m in enumerate(mask) if m]
     if not policy:

@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .synthetic import TEMPLATE
-from .tiny_model import (EVAL_FILE, INFO_FILE, TRAIN_FILE, TinyModelSpec, TinyTaskPaths, chat_prompt, save_task,
-                         tiny_lm, warmup_loss)
+from .tiny_model import (EVAL_FILE, INFO_FILE, TRAIN_FILE, TinyModelSpec, TinyTaskPaths, chat_prompt, pad_batch,
+                         save_task, tiny_lm, warmup_loss)
 
 SOURCE = "synthetic/calculator"
 CALL_OPEN, CALL_CLOSE, RESULT_OPEN, RESULT_CLOSE = '<call name="calc">', "</call>", "<result>", "</result>"
@@ -246,13 +246,7 @@ def build_tiny_agent_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 
         def batch(items):
             seqs = [[t for ids, _ in segs for t in ids] for segs in items]
             labels = [[t if m else -100 for ids, m in segs for t in ids] for segs in items]
-            width = max(map(len, seqs))
-            ids = torch.full((len(seqs), width), tok.pad_token_id)
-            lab = torch.full((len(seqs), width), -100)
-            att = torch.zeros((len(seqs), width), dtype=torch.long)
-            for i, (s, l) in enumerate(zip(seqs, labels)):
-                ids[i, : len(s)], lab[i, : len(l)], att[i, : len(s)] = torch.tensor(s), torch.tensor(l), 1
-            return ids, lab, att
+            return pad_batch(seqs, labels, tok.pad_token_id)
 
         order = random.Random(f"{seed}/order").sample(range(len(traces)), len(traces))
         history, step = [], 0

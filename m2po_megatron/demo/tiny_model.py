@@ -92,6 +92,19 @@ def save_task(out: Path, lm, tok, train_rows: list[dict], eval_rows: list[dict],
                 f.write(json.dumps(r) + "\n")
 
 
+def pad_batch(seqs: list[list[int]], labels: list[list[int]], pad_id: int):
+    """Right-padded (input ids, labels with -100 off the loss, attention mask) of a warm-up batch."""
+    import torch
+
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad_id)
+    lab = torch.full((len(seqs), width), -100)
+    att = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (s, l) in enumerate(zip(seqs, labels)):
+        ids[i, : len(s)], lab[i, : len(l)], att[i, : len(s)] = torch.tensor(s), torch.tensor(l), 1
+    return ids, lab, att
+
+
 def _check_reload(out: Path, tok, rows: list[dict]) -> None:
     """AutoTokenizer on the model directory must tokenize exactly as the tokenizer the model learned with."""
     from transformers import AutoTokenizer
@@ -245,13 +258,7 @@ def build_tiny_task(out_dir: str | Path, seed: int = 0, *, n_train: int = 512, n
                 s = tok(r["solution"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
                 seqs.append(p + s)
                 labels.append([-100] * len(p) + s)  # learn the response only
-            width = max(map(len, seqs))
-            ids = torch.full((len(seqs), width), tok.pad_token_id)
-            lab = torch.full((len(seqs), width), -100)
-            att = torch.zeros((len(seqs), width), dtype=torch.long)
-            for i, (s, l) in enumerate(zip(seqs, labels)):
-                ids[i, : len(s)], lab[i, : len(l)], att[i, : len(s)] = torch.tensor(s), torch.tensor(l), 1
-            return ids, lab, att
+            return pad_batch(seqs, labels, tok.pad_token_id)
 
         order = random.Random(f"{seed}/order").sample(range(len(warm_rows)), len(warm_rows))
         history, step, acc = [], 0, 0.0

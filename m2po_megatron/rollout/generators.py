@@ -403,17 +403,10 @@ class AsyncGenerator:
             self._thread.join(timeout=30)
 
 
-def rollout_sampling(cfg) -> dict:
-    """SGLang sampling_params of every training request (the generator adds the per-group seed)."""
-    from m2po_megatron.agents.runner import sampling_params
-
-    return sampling_params(cfg)
-
-
 def make_generator(cfg, client, rewards, tokenizer, prompts: PromptStream, ledger, trainers) -> Generator:
     """The generator of cfg.staleness.mode; `trainers` recompute behaviour log-probs when
     staleness.behav_logprob_source = trainer."""
-    from m2po_megatron.agents.runner import runner_for
+    from m2po_megatron.agents.runner import runner_for, sampling_params
     from m2po_megatron.staleness import FixedLagQueue, StalenessController
 
     r, s, t = cfg.rollout, cfg.staleness, cfg.train
@@ -424,7 +417,7 @@ def make_generator(cfg, client, rewards, tokenizer, prompts: PromptStream, ledge
                       "generation batches that takes", stacklevel=2)
     routing = routing_spec(cfg)
     maker = GroupMaker(client, rewards, tokenizer, Tokenize(tokenizer, cfg.data.max_prompt_len),
-                       rollout_sampling(cfg), n=r.n_samples_per_prompt, seed=cfg.run.seed,
+                       sampling_params(cfg), n=r.n_samples_per_prompt, seed=cfg.run.seed,
                        filter_metric=t.filter_groups.metric, routing=routing,
                        runner=runner_for(cfg, tokenizer, score=lambda text, answer: maker.score_one(text, answer),
                                          routed_experts=routing is not None))

@@ -108,10 +108,10 @@ class GroupMaker:
 
     def fill(self, group: Group, results) -> Group:
         """The group's samples from its n Episodes (or the client's SampleResults, as single_turn returns them)."""
-        group.samples = [sample_of(ep, sid, group) for sid, ep in zip(sample_ids_for(group.group_id, self.n),
-                                                                      map(as_episode, results))]
+        eps = [as_episode(r) for r in results]
+        group.samples = [sample_of(ep, sid, group) for sid, ep in zip(sample_ids_for(group.group_id, self.n), eps)]
         if self.routing is not None:
-            for s, ep in zip(group.samples, map(as_episode, results)):
+            for s, ep in zip(group.samples, eps):
                 if ep.result is not None:
                     self._attach_routing(s, ep.result.routed_experts)
         self.gen_tokens += sum(len(s.output_ids) for s in group.samples)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from m2po_megatron.agents.runner import (Episode, RolloutFunctionFailed, RolloutRunner, check_result,
+from m2po_megatron.agents.runner import (PROBLEMS, Episode, RolloutFunctionFailed, RolloutRunner, check_result,
                                          normalised)
 from m2po_megatron.api import RolloutResult, Trajectory, Generation
 from m2po_megatron.rollout.groups import sample_of
@@ -41,7 +41,7 @@ def res(ids=(5, 6, 7, 8), mask=(1, 1, 0, 1), lps=None, vs=None, **kw) -> Rollout
 ])
 def test_each_malformation_is_named(bad, problem, field):
     got, detail = check_result(res(**bad), vocab_size=100, max_tokens=64, prompt_len=4)
-    assert got == problem and field in detail, (got, detail)
+    assert got == problem and field in detail and got in PROBLEMS, (got, detail)
 
 
 def test_a_good_result_passes_and_environment_values_are_never_read():

@@ -16,7 +16,7 @@ RECIPES = sorted(p.name for p in (ROOT / "recipes" / "paper").glob("*.yaml") if 
 @pytest.mark.parametrize("name", RECIPES)
 def test_paper_recipe_requests_fit_sglang(name):
     from m2po_megatron.config import load_config
-    from m2po_megatron.rollout.generators import rollout_sampling
+    from m2po_megatron.agents.runner import sampling_params
     from tests.contract.sglang_http import SGLangHTTP
 
     cfg = load_config(ROOT / "recipes" / "paper" / name, check_files=False)
@@ -24,7 +24,7 @@ def test_paper_recipe_requests_fit_sglang(name):
     http = SGLangHTTP(model_dir, cfg.rollout.context_length)
     prompt = [11] * cfg.data.max_prompt_len
     e = cfg.eval
-    bodies = [build_generate_body(prompt, dict(rollout_sampling(cfg), sampling_seed=2**31 - 1), "train"),
+    bodies = [build_generate_body(prompt, dict(sampling_params(cfg), sampling_seed=2**31 - 1), "train"),
               build_generate_body(prompt, {"temperature": e.temperature, "top_p": e.top_p, "sampling_seed": 0,
                                            "max_new_tokens": e.max_new_tokens or cfg.rollout.max_new_tokens},
                                   "eval", return_logprob=False)]

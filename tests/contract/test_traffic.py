@@ -68,7 +68,8 @@ def _project_traffic(url: str, tiny_model_dir: str) -> None:
 
     from m2po_megatron.config import load_config
     from m2po_megatron.eval.rollout_generate import rollout_generate_fn
-    from m2po_megatron.rollout.generators import GroupMaker, rollout_sampling
+    from m2po_megatron.agents.runner import sampling_params
+    from m2po_megatron.rollout.generators import GroupMaker
     from m2po_megatron.rollout.client import SyncRolloutClient
     from m2po_megatron.rollout.launcher import wait_healthy
     from m2po_megatron.convert.export import hf_buckets
@@ -80,7 +81,7 @@ def _project_traffic(url: str, tiny_model_dir: str) -> None:
     wait_healthy(url, timeout_s=120)
     client = SyncRolloutClient([url])
     try:
-        maker = GroupMaker(client, None, None, None, rollout_sampling(cfg), n=2, seed=cfg.run.seed)
+        maker = GroupMaker(client, None, None, None, sampling_params(cfg), n=2, seed=cfg.run.seed)
         maker.submit(Group(group_id="g0", prompt_id="p0", prompt_ids=[5, 6, 7], answer="1")).result(300)
         generate = rollout_generate_fn(client, seed=cfg.run.seed)
         generate([[4, 5], [6]], 2, cfg.eval.temperature, cfg.eval.top_p, CONTEXT // 4)
