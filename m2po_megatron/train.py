@@ -24,7 +24,8 @@ from m2po_megatron.run.metrics import MetricsLogger, Progress
 def train(cfg: DictConfig) -> Path:
     from m2po_megatron.eval.in_run import Evaluator
     from m2po_megatron.infra.cluster import init_ray, shutdown_ray
-    from m2po_megatron.reward import RewardPool
+    from m2po_megatron.reward import rewards_from_config
+    from m2po_megatron.reward.checks import needs_label
     from m2po_megatron.rollout.generators import make_generator
     from m2po_megatron.rollout.updates import WeightUpdater
     from m2po_megatron.run.checkpoint import checkpoint_step, restore, resume_hint, save_checkpoint
@@ -41,7 +42,7 @@ def train(cfg: DictConfig) -> Path:
     try:  # everything the run needs is read and checked before anything is written or Ray starts
         resume_from = check_run_dir(cfg, rdir, ckpts)
         tokenizer = load_tokenizer(cfg)
-        prompts, eval_rows = load_data(cfg, tokenizer)
+        prompts, eval_rows = load_data(cfg, tokenizer, require_label=needs_label(cfg.reward))
         check_ports(cfg)
     except BaseException:
         stop.restore()
@@ -83,8 +84,7 @@ def train(cfg: DictConfig) -> Path:
         trainers = start_trainers(cfg, world, rdir, ckpts)
         weights = WeightUpdater(cfg, trainers, engines, urls, api_key(cfg))
         weights.connect()
-        rewards = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
-                             format_score=cfg.reward.format_score)
+        rewards = rewards_from_config(cfg)
         ledger = SampleLedger()
         generator = make_generator(cfg, client, rewards, tokenizer, prompts, ledger, trainers)
         weights.attach(generator)
@@ -218,7 +218,8 @@ def build_batch(cfg: DictConfig, groups, version: int, ledger):
     s = cfg.staleness
     bound = s.max_staleness if s.mode == "bounded" else None
     return build_step_batch(groups, version, ledger, max_staleness=bound, drop_too_stale=s.drop_too_stale,
-                            norm_by_std=cfg.algo.norm_adv_by_std, eps=cfg.algo.adv_eps)
+                            norm_by_std=cfg.algo.norm_adv_by_std, eps=cfg.algo.adv_eps,
+                            overlong_filtering=cfg.algo.overlong_filtering)
 
 
 def train_on(cfg: DictConfig, trainers, batch) -> dict:

@@ -10,6 +10,7 @@ own failure (ServerUnavailable: no server within the client's retries) stops it 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 from collections import Counter
@@ -122,10 +123,10 @@ class RolloutRunner:
     on the client's loop, stats() is read by the training loop)."""
 
     def __init__(self, fn: Callable, name: str, *, tokenizer, sampling: dict, n: int,
-                 timeout_s: Optional[float], score: Callable[[str, str], float], routed_experts: bool = False,
+                 timeout_s: Optional[float], score: Callable[..., float], routed_experts: bool = False,
                  vocab_size: Optional[int] = None, max_tokens: Optional[int] = None, tool_parser=None,
                  args: Optional[dict] = None, fail_limit: int = 0, max_context: int = 0, evaluation: bool = False):
-        """score(text, answer): the recipe's reward (blocking; run in a thread). fail_limit: samples (a first
+        """score(text, row, token_ids=None): the recipe's reward (blocking; run in a thread). fail_limit: samples (a first
         step's worth) after which a run with no usable episode yet stops (0: never)."""
         self.fn, self.name, self.tok, self.sampling, self.n = fn, name, tokenizer, sampling, n
         self.timeout_s, self.score, self.routed = timeout_s, score, routed_experts
@@ -144,10 +145,9 @@ class RolloutRunner:
     def context(self, client, row: dict, prompt_ids: list[int], seed: int, group_id: str, n: int) -> tuple:
         gc = GroupClient(client, self.routed)
         log = EpisodeLog()
-        answer = str(row.get("answer", ""))
-
-        async def reward(text: str) -> float:
-            return float(await asyncio.get_running_loop().run_in_executor(None, self.score, text, answer))
+        async def reward(text: str, token_ids: Optional[list[int]] = None) -> float:
+            call = functools.partial(self.score, text, dict(row), token_ids)
+            return float(await asyncio.get_running_loop().run_in_executor(None, call))
 
         ctx = RolloutContext(row=dict(row), prompt_ids=list(prompt_ids), tokenizer=self.tok,
                              sampling_params=dict(self.sampling), n=n, seed=seed, client=gc, reward=reward,

@@ -41,13 +41,15 @@ class RolloutContext:
     """What the run hands a rollout function for one prompt group."""
 
     row: dict  # the data row with all its fields (`prompt`, `answer`, `id` and any others)
-    prompt_ids: list[int]  # row["prompt"] as the run renders and tokenizes it (data.prompt_template, chat template)
+    prompt_ids: list[int]  # the row's prompt (data.input_key) as the run renders and tokenizes it (templates applied)
     tokenizer: Any  # the run's HF tokenizer
     sampling_params: dict  # the recipe's SGLang sampling params (temperature, top_p, top_k, max_new_tokens)
     n: int  # samples in the group (rollout.n_samples_per_prompt): return exactly n results
     seed: int  # this group's seed; sample i of turn t may use seed + i + t * n
     client: TokenClient
-    reward: Callable[[str], Awaitable[float]]  # the recipe's reward of a response text against row["answer"]
+    # the recipe's reward (reward.function / reward.terms) of a response text, with the row: await
+    # ctx.reward(text) or ctx.reward(text, token_ids); a failed term gives reward.error_score
+    reward: Callable[..., Awaitable[float]]
     log: Callable[..., None]  # log(name=value, ...): per-episode numbers, averaged per step as rollout/custom/<name>
     group_id: str = ""
     max_context: int = 0  # longest prompt + response the servers take (0: unknown)

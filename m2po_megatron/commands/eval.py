@@ -92,7 +92,8 @@ def handler(args) -> int:
         print(f"m2po eval: {e}", file=sys.stderr)
         return 2
     from m2po_megatron.eval.benchmarks import evaluate, load_eval_sets
-    from m2po_megatron.reward import RewardPool
+    from m2po_megatron.reward import Rewards
+    from m2po_megatron.reward.functions import terms_of
 
     names = [n for n in args.eval_sets.split(",") if n] if args.eval_sets else None
     try:
@@ -144,10 +145,11 @@ def handler(args) -> int:
             client = SyncRolloutClient(urls, api_key=args.api_key)
             cleanup.append(client.close)
             gen = rollout_generate_fn(client, seed=args.seed)
-        pool = RewardPool(args.reward_workers, args.reward_timeout, 0.0)
-        cleanup.append(pool.close)
+        rewards = Rewards(terms_of({"function": "math_verify"}), num_workers=args.reward_workers,
+                          timeout_s=args.reward_timeout)
+        cleanup.append(rewards.close)
         res = evaluate(gen, tok, sets, temperature=args.temperature, top_p=args.top_p,
-                       max_new_tokens=args.max_new_tokens, reward_pool=pool, out_dir=args.out, step=args.step,
+                       max_new_tokens=args.max_new_tokens, rewards=rewards, out_dir=args.out, step=args.step,
                        log=lambda m: print(m, file=sys.stderr))
     except (ServerStartError, OSError, ValueError) as e:  # a model it cannot load or serve: name it
         print(f"m2po eval: {args.model_path}: {e or type(e).__name__}", file=sys.stderr)

@@ -109,6 +109,9 @@ class AlgoSection:
     # MoE models only (verl's names): none | r2 (replay the experts the trainer chose when it computed the old
     # log-probs) | r3 (replay the experts the rollout engine chose, recorded per response token)
     routing_replay: str = "none"
+    # DAPO's over-long filtering (NeMo-RL's overlong_filtering, SkyRL's apply_overlong_filtering): a truncated
+    # sample (finish reason `length`) keeps its reward in its group's advantages but is masked from the loss
+    overlong_filtering: bool = False
     m2po: M2POSection = field(default_factory=M2POSection)
     grpo: ClipSection = field(default_factory=ClipSection)
     gspo: GSPOSection = field(default_factory=GSPOSection)
@@ -170,13 +173,53 @@ class DataSection:
     apply_chat_template: bool = True  # wrap the prompt in the tokenizer's chat template (once)
     max_prompt_len: int = 1534  # + max_new_tokens + 2 must fit the context (SGLang never fills its last 2)
     shuffle_seed: int = 42
+    # Column mapping (slime's --input-key/--label-key/--tool-key/--metadata-key, verl's data.prompt_key). A row
+    # keeps all its fields: the rollout function and the reward get the whole row, whatever the names.
+    input_key: str = "prompt"  # the prompt: raw text, chat messages [{role, content}] or token ids
+    label_key: Optional[str] = "answer"  # the reference a rule-based reward checks (math: the gold answer)
+    tools_key: Optional[str] = None  # tool schemas handed to the chat template (tools=...) per row
+    metadata_key: Optional[str] = None  # a dict column; must be a JSON object where present
+    id_key: str = "id"  # a row without it is named by its position
+    prompt_format: str = "auto"  # auto (by the value's type) | text | messages | ids
+    # A `datasets` dataset saved with save_to_disk (a DatasetDict): the split to read
+    train_split: str = "train"
+    eval_split: str = "test"
+
+
+@dataclass
+class RewardTerm:
+    """One weighted term of the reward: a registered name (math_verify, code, remote), `package.module:name`
+    or `path/to/file.py:name`, called as fn(response, token_ids, row, **args) -> float | {"score": ..., ...}."""
+    function: str = "math_verify"
+    weight: float = 1.0
+    args: dict[str, Any] = field(default_factory=dict)
+    name: Optional[str] = None  # its metrics' name (reward/<name>/...); default: the function's name
+    timeout_s: Optional[float] = None  # per item in the worker pool; default reward.timeout_s
+
+
+@dataclass
+class OverlongBufferSection:
+    """DAPO's soft over-long punishment, named as verl's reward_model.overlong_buffer: the last `len` tokens of
+    rollout.max_new_tokens cost up to penalty_factor, linearly, added to the reward."""
+    enable: bool = False
+    len: int = 4096
+    penalty_factor: float = 1.0
 
 
 @dataclass
 class RewardSection:
-    format_score: float = 0.0  # paper appendix: 0.1; released code: 0
+    format_score: float = 0.0  # math_verify: paper appendix 0.1; released code 0
     num_workers: int = 4
-    timeout_s: float = 5.0
+    timeout_s: float = 5.0  # per item, for terms run in the worker pool
+    # verl's custom_reward_function.{path,name} / slime's --custom-rm-path: one function (a term of weight 1)
+    function: str = "math_verify"
+    args: dict[str, Any] = field(default_factory=dict)  # its keyword arguments (verl's reward_kwargs)
+    terms: list[RewardTerm] = field(default_factory=list)  # several weighted terms; when given, `function` is unused
+    # a term that fails (time limit, exception, a reward service down after its retries): score it
+    # error_score, or drop the sample (counted as reward_error)
+    on_error: str = "score"  # score | drop
+    error_score: float = 0.0
+    overlong_buffer: OverlongBufferSection = field(default_factory=OverlongBufferSection)
 
 
 @dataclass

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from m2po_megatron.config.paths import resolve_path
 from m2po_megatron.agents.loader import check_plugins
+from m2po_megatron.reward.checks import check_reward
 from m2po_megatron.config.schema import ConfigError
 
 def choices() -> dict[str, tuple | None]:
@@ -25,6 +26,8 @@ def choices() -> dict[str, tuple | None]:
     from m2po_megatron.algo.mask import M2_TOKENS, RULES
     from m2po_megatron.algo.rollout_correction import GEOMETRIC_ACTIONS, LEVELS as CORRECTION_LEVELS
     from m2po_megatron.algo.rollout_correction import MODES as CORRECTION_MODES, REJECTIONS
+    from m2po_megatron.data.rows import PROMPT_FORMATS
+    from m2po_megatron.reward.compose import ON_ERROR
     from m2po_megatron.models.builder import ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES
     from m2po_megatron.rollout.groups import FILTER_METRICS
     from m2po_megatron.rollout.weight_sync import PAUSE_MODES
@@ -50,6 +53,8 @@ def choices() -> dict[str, tuple | None]:
         "algo.rollout_correction.rejection": (None, *REJECTIONS),
         "staleness.mode": ("on_policy", "fixed_lag", "bounded"),
         "train.filter_groups.metric": FILTER_METRICS,
+        "data.prompt_format": PROMPT_FORMATS,
+        "reward.on_error": ON_ERROR,
         "staleness.behav_logprob_source": ("engine", "trainer"),
         "rollout.engine": ("local", "sglang"),
         "rollout.pause_mode": PAUSE_MODES,
@@ -168,6 +173,7 @@ def validate(cfg: DictConfig, check_files: bool = True) -> None:
     _check_model(cfg, errors, check_files)
     _check_rollout(cfg, errors)
     check_plugins(cfg, errors)
+    errors += check_reward(cfg)
     if check_files:
         _check_data_files(cfg, errors)
 
@@ -329,7 +335,8 @@ def _tiny_task_hint(value: str) -> str:
 def _check_data_files(cfg: DictConfig, errors: list[str]) -> None:
     paths = [("data.train_path", cfg.data.train_path)] if cfg.data.train_path else []
     paths += [(f"data.eval_paths[{i}]", p) for i, p in enumerate(cfg.data.eval_paths)]
-    missing = [(k, p) for k, p in paths if not Path(os.path.expanduser(str(p))).is_file()]
+    # a file, or a directory: a `datasets` save_to_disk or a directory of data files (data/sources.py)
+    missing = [(k, p) for k, p in paths if not Path(os.path.expanduser(str(p))).exists()]
     if missing:
         shown = ", ".join(f"{k} = {p!r}" for k, p in missing[:3]) + (f" and {len(missing) - 3} more"
                                                                        if len(missing) > 3 else "")

@@ -15,7 +15,10 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from ..data.rows import TaskRow
 
 GenerateFn = Callable[[list[list[int]], int, float, float, int], list[list[list[int]]]]
 
@@ -23,18 +26,22 @@ GenerateFn = Callable[[list[list[int]], int, float, float, int], list[list[list[
 @dataclass
 class EvalSet:
     name: str
-    rows: list[dict]  # training format: id, prompt (final text), answer
+    rows: list["TaskRow"]  # prompt_ids as the model sees them, the reference answer in label
     n_samples: int = 4
 
     def __post_init__(self):
+        from ..data.rows import TaskRow
+
         if self.n_samples < 1:
             raise ValueError(f"eval set {self.name}: n_samples must be >= 1, got {self.n_samples}")
         if not self.rows:
             raise ValueError(f"eval set {self.name} is empty")
         for i, r in enumerate(self.rows):
-            if not isinstance(r.get("prompt"), str) or not isinstance(r.get("answer"), str) or not r["answer"]:
-                raise ValueError(f"eval set {self.name} row {i} ({r.get('id')}): needs string 'prompt' and non-empty "
-                                 "'answer' (prepare it with `m2po prepare-data`)")
+            if not isinstance(r, TaskRow):
+                raise ValueError(f"eval set {self.name} row {i}: a {type(r).__name__}, not a TaskRow; read the set "
+                                 f"with m2po_megatron.data.rows.load_task_rows (or load_eval_sets)")
+            if not r.prompt_ids and not r.prompt:
+                raise ValueError(f"eval set {self.name} row {i} ({r.id}): no prompt")
 
 
 @dataclass
@@ -76,16 +83,22 @@ class EvalResult:
 
 
 def load_eval_sets(eval_dir: str | Path, names: list[str] | None = None,
-                   n_samples: dict[str, int] | int | None = None, limit: int | None = None) -> list[EvalSet]:
-    """Prepared eval files ``<eval_dir>/<name>.jsonl`` (from `m2po prepare-data`). ``n_samples`` defaults to
-    the paper's (16 for AIME, 4 otherwise); ``limit`` keeps the first rows of each set (smoke tests)."""
+                   n_samples: dict[str, int] | int | None = None, limit: int | None = None, *, tokenizer=None,
+                   data_cfg=None, require_label: bool = True) -> list[EvalSet]:
+    """Eval files ``<eval_dir>/<name>.{jsonl,jsonl.gz,json,parquet}`` (e.g. from `m2po prepare-data`) as TaskRows.
+    ``n_samples`` defaults to the paper's (16 for AIME, 4 otherwise); ``limit`` keeps the first rows of each set
+    (smoke tests). ``data_cfg`` (the recipe's ``data``) maps the columns; by default a prepared file's
+    ``prompt`` is used as it is (no chat template added) and its ``answer`` is the label. Without a
+    ``tokenizer`` the rows are checked and their text prompts encoded later, by evaluate()."""
     from ..data.prepare import EVAL_SETS, find_eval_file
-    from ..data.records import load_rows
+    from ..data.rows import RowOptions, load_task_rows
 
     eval_dir = Path(eval_dir)
     if not eval_dir.is_dir():
         raise FileNotFoundError(f"eval directory {eval_dir} does not exist; prepare it with `m2po prepare-data "
                                 f"--out DIR` (the sets are in DIR/eval)")
+    if data_cfg is None:  # prepared prompts are final text; an eval has no prompt length limit of its own
+        data_cfg = RowOptions(apply_chat_template=False, max_prompt_len=2**62)
     if names is None:
         names = sorted(n for n in {p.name.split(".")[0] for p in eval_dir.iterdir() if p.is_file()}
                        if find_eval_file(eval_dir, n) is not None)
@@ -95,23 +108,25 @@ def load_eval_sets(eval_dir: str | Path, names: list[str] | None = None,
         if f is None:
             raise FileNotFoundError(f"eval set {name!r}: no {name}.jsonl in {eval_dir}; run `m2po prepare-data`")
         k = n_samples if isinstance(n_samples, int) else (n_samples or {}).get(name, EVAL_SETS.get(name, 4))
-        try:
-            rows = load_rows(f)[:limit] if limit else load_rows(f)
-            sets.append(EvalSet(name, rows, k))
-        except (OSError, ValueError) as e:  # unreadable, not JSON, malformed rows: name the file
-            raise ValueError(f"eval set {f}: {e}") from None
+        # a DataError (a ValueError) names the set, the file, the line or row and the column
+        rows = load_task_rows(str(f), data_cfg, tokenizer, require_label=require_label, key=f"eval set {name}")
+        sets.append(EvalSet(name, rows[:limit] if limit else rows, k))
     if not sets:
         raise FileNotFoundError(f"no eval sets found in {eval_dir}")
     return sets
 
 
 def evaluate(generate_fn: GenerateFn, tokenizer, eval_sets: list[EvalSet], *, temperature: float = 1.0,
-             top_p: float = 0.7, max_new_tokens: int = 2560, reward_pool=None, out_dir: str | Path | None = None,
+             top_p: float = 0.7, max_new_tokens: int = 2560, rewards=None, out_dir: str | Path | None = None,
              step: int | None = None, prompt_batch: int = 64, keep_samples: bool = False,
              log: Callable[[str], None] | None = None) -> EvalResult:
     """Generate ``n_samples`` per problem for every set, score, and (with ``out_dir``) write
     ``eval/step_<step>.json`` and ``.csv`` (or ``eval/eval.*`` without a step) plus a row in
-    ``eval/summary.csv``. Defaults follow the paper's evaluation (temperature 1, top_p 0.7)."""
+    ``eval/summary.csv``. Defaults follow the paper's evaluation (temperature 1, top_p 0.7).
+
+    ``rewards``: the run's reward (reward/compose.Rewards, or the loop's LockedRewards); a sample passes when
+    its reward's `acc` is 1 (math_verify gives it), or, for a reward without `acc`, when its score is >= 1.
+    None: math-verify in this process against each row's label."""
     from ..data.prepare import encode_prompt
     from ..reward.extract import last_boxed
     from ..reward.math_verify_reward import ERROR, judge
@@ -121,11 +136,18 @@ def evaluate(generate_fn: GenerateFn, tokenizer, eval_sets: list[EvalSet], *, te
     if not (temperature >= 0 and 0 < top_p <= 1 and max_new_tokens >= 1):
         raise ValueError(f"bad sampling settings: temperature={temperature} (>= 0), top_p={top_p} (0, 1], "
                          f"max_new_tokens={max_new_tokens} (>= 1)")
+    if rewards is None:  # math-verify against each row's label below
+        for es in eval_sets:
+            for r in es.rows:
+                if r.label is None:
+                    raise ValueError(f"eval set {es.name} row {r.id}: no label (reference answer) to judge against; "
+                                     f"set data.label_key to the column that holds it")
     t0 = time.monotonic()
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     scores_out, samples = [], {}
     for es in eval_sets:
-        prompts = [encode_prompt(tokenizer, r["prompt"]) for r in es.rows]
+        # rows read without a tokenizer (load_eval_sets for `m2po eval`) carry their text prompt only
+        prompts = [r.prompt_ids or encode_prompt(tokenizer, r.prompt) for r in es.rows]
         outputs: list[list[list[int]]] = []
         for b in range(0, len(prompts), prompt_batch):
             chunk = prompts[b : b + prompt_batch]
@@ -136,19 +158,25 @@ def evaluate(generate_fn: GenerateFn, tokenizer, eval_sets: list[EvalSet], *, te
             outputs += got
         texts = [[tokenizer.decode(o, skip_special_tokens=True) for o in outs] for outs in outputs]
         flat_resp = [t for ts in texts for t in ts]
-        flat_ans = [r["answer"] for r, ts in zip(es.rows, texts) for _ in ts]
         timeouts = errors = 0
-        if reward_pool is not None:
-            flat_scores, st = reward_pool.score(flat_resp, flat_ans)
-            timeouts, errors = st.timeouts, st.errors
+        if rewards is not None:
+            from ..reward.types import RewardInput
+
+            items = [RewardInput(t, list(o), r.row, r.prompt) for r, ts, outs in zip(es.rows, texts, outputs)
+                     for t, o in zip(ts, outs)]
+            scored = rewards.score(items)
+            passes = [float(x.acc >= 1.0) if x.acc is not None else float(x.score is not None and x.score >= 1.0)
+                      for x in scored]
+            timeouts = sum(x.failed == "timeout" for x in scored)
+            errors = sum(x.failed not in (None, "timeout") for x in scored)
         else:
-            flat_scores = []
-            for resp, ans in zip(flat_resp, flat_ans):
-                v = judge(resp, ans, 0.0)
+            passes = []
+            for resp, r in zip(flat_resp, [r for r, ts in zip(es.rows, texts) for _ in ts]):
+                v = judge(resp, r.label or "", 0.0)
                 errors += v.status == ERROR
-                flat_scores.append(v.score)
+                passes.append(float(v.score == 1.0))
         k = es.n_samples
-        per_problem = [sum(s == 1.0 for s in flat_scores[i * k : (i + 1) * k]) / k for i in range(len(es.rows))]
+        per_problem = [sum(passes[i * k : (i + 1) * k]) / k for i in range(len(es.rows))]
         lengths = [len(o) for outs in outputs for o in outs]
         truncated = [len(o) >= max_new_tokens and not (o and o[-1] in eos) for outs in outputs for o in outs]
         bs = BenchmarkScore(es.name, len(es.rows), k, statistics.fmean(per_problem),

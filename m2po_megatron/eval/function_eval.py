@@ -13,21 +13,21 @@ from typing import Optional
 from m2po_megatron.agents.runner import RolloutRunner
 
 
-def evaluate_function(runner: RolloutRunner, client, tokenize, eval_sets: list, seed: int, score,
+def evaluate_function(runner: RolloutRunner, client, eval_sets: list, seed: int, score,
                       out_dir: Optional[Path] = None, step: int = 0, versions: Optional[Counter] = None,
                       timeout_s: float = 3600.0) -> dict:
-    """score(text, answer) -> reward for results without one. versions counts the weight version of each
+    """score(text, row, token_ids) -> the recipe's reward for results without one. versions counts the weight version of each
     policy token's sample (its oldest), as the built-in evaluation counts its answers'."""
     from .rollout_generate import request_seed
 
     out, table = {}, []
     for es in eval_sets:
-        futs = [client.run(functools.partial(runner.run_group, row=row, prompt_ids=tokenize(row["prompt"]),
+        futs = [client.run(functools.partial(runner.run_group, row=task.row, prompt_ids=list(task.prompt_ids),
                                              seed=request_seed(seed, 0, i, es.n_samples),
                                              group_id=f"eval{step}/{es.name}/{i}", n=es.n_samples))
-                for i, row in enumerate(es.rows)]
+                for i, task in enumerate(es.rows)]
         rewards, dropped = [], 0
-        for row, fut in zip(es.rows, futs):
+        for task, fut in zip(es.rows, futs):
             for ep in fut.result(timeout_s):
                 r = ep.result
                 if r is None or r.finish_reason == "abort":
@@ -36,8 +36,9 @@ def evaluate_function(runner: RolloutRunner, client, tokenize, eval_sets: list, 
                     continue
                 if versions is not None:
                     versions[min(v for v, m in zip(r.versions, r.loss_mask) if m)] += 1
-                text = runner.tok.decode([t for t, m in zip(r.token_ids, r.loss_mask) if m], skip_special_tokens=True)
-                rewards.append(r.reward if r.reward is not None else score(text, str(row["answer"])))
+                policy = [t for t, m in zip(r.token_ids, r.loss_mask) if m]
+                text = runner.tok.decode(policy, skip_special_tokens=True)
+                rewards.append(r.reward if r.reward is not None else score(text, task.row, policy))
         acc = sum(x >= 1.0 for x in rewards) / max(len(rewards), 1)
         out[f"eval/{es.name}/pass@1"] = 100 * acc
         out[f"eval/{es.name}/mean_reward"] = sum(rewards) / max(len(rewards), 1)

@@ -42,9 +42,13 @@ class Evaluator:
         return runner_for(cfg, self.tokenizer, self._score, function_key="eval.function", sampling=sampling,
                            fail_limit=0)
 
-    def _score(self, text: str, answer: str) -> float:
-        (score,), _ = self.rewards.score([text], [answer])
-        return float(score)
+    def _score(self, text: str, row: dict, token_ids=None) -> float:
+        """The recipe's reward of one answer (a failed term: reward.error_score); eval counts apart from training."""
+        from m2po_megatron.reward.types import RewardInput
+
+        ids = list(token_ids) if token_ids is not None else self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        (r,) = self.rewards.score([RewardInput(text, ids, row)])
+        return float(r.score) if r.score is not None else float(self.cfg.reward.error_score)
 
     def due(self, step: int) -> bool:
         """An evaluation at this step by eval.interval (0: only before and after training) or eval.steps."""
@@ -67,12 +71,10 @@ class Evaluator:
         versions: Counter = Counter()
         if self.runner is not None:
             from m2po_megatron.eval.function_eval import evaluate_function
-            from m2po_megatron.data.prepare import encode_prompt
 
             t0 = time.monotonic()
-            out = evaluate_function(self.runner, self.client, lambda p: encode_prompt(self.tokenizer, p),
-                                    self.eval_sets, eval_seed(cfg.run.seed, step), self._score, out_dir=self.rdir,
-                                    step=step, versions=versions)
+            out = evaluate_function(self.runner, self.client, self.eval_sets, eval_seed(cfg.run.seed, step),
+                                    self._score, out_dir=self.rdir, step=step, versions=versions)
             out["time/eval"] = time.monotonic() - t0
             if version is not None:
                 out["eval/answers_at_other_weights"] = sum(n for v, n in versions.items() if v != version)
@@ -80,7 +82,7 @@ class Evaluator:
         res = run_eval(rollout_generate_fn(self.client, seed=eval_seed(cfg.run.seed, step), versions=versions),
                        self.tokenizer, self.eval_sets, temperature=e.temperature, top_p=e.top_p,
                        max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
-                       reward_pool=self.rewards, out_dir=self.rdir, step=step)
+                       rewards=self.rewards, out_dir=self.rdir, step=step)
         out = {**res.metrics(), "time/eval": res.seconds}
         if version is not None:  # a server restarted during the evaluation answers with its base weights
             out["eval/answers_at_other_weights"] = sum(n for v, n in versions.items() if v != version)

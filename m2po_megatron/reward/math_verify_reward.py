@@ -26,7 +26,7 @@ class Verdict:
     extracted: str | None
 
 
-def _quiet_math_verify() -> None:
+def quiet_math_verify() -> None:
     # math-verify warns once per process when its own timeouts are off; the pool enforces them instead.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
 
@@ -66,27 +66,51 @@ def judge(response: str, answer: str, format_score: float = 0.0, timeout_s: int 
     return Verdict(1.0, CORRECT, extracted) if ok else Verdict(float(format_score), WRONG, extracted)
 
 
-_worker_pool = None
+_worker_pools: dict = {}  # format_score -> its RewardPool (the workers' arguments are fixed at start)
 _worker_lock = threading.Lock()
 
 
 def _judge_in_worker(response: str, answer: str, format_score: float, timeout_s: float, extracted: str) -> Verdict:
     """judge() off the main thread: one shared reward worker process (started on first use), killed and
     replaced when an item runs past timeout_s, which then scores 0 (status error)."""
-    global _worker_pool
-    from .pool import RewardPool
+    from .pool import MATH_VERIFY, RewardPool
+    from .types import RewardInput
 
     with _worker_lock:
-        if _worker_pool is None:
-            _worker_pool = RewardPool(num_workers=1, timeout_s=float(timeout_s))
-            atexit.register(_worker_pool.close)
-        _worker_pool.timeout_s, _worker_pool.format_score = float(timeout_s), float(format_score)
-        scores, st = _worker_pool.score([response], [answer])
-    status = CORRECT if st.correct else WRONG if st.wrong else NO_ANSWER if st.no_answer else ERROR
-    return Verdict(scores[0], status, extracted)
+        pool = _worker_pools.get(float(format_score))
+        if pool is None:
+            pool = RewardPool([(MATH_VERIFY[0], {"format_score": float(format_score)})], num_workers=1,
+                              timeout_s=float(timeout_s))
+            _worker_pools[float(format_score)] = pool
+            atexit.register(pool.close)
+        pool.timeouts = [float(timeout_s)]
+        (out,), _ = pool.score([RewardInput(response, [], {"answer": answer})])
+    if out.score is None:
+        return Verdict(0.0, ERROR, extracted)
+    if out.extras.get("acc"):
+        return Verdict(out.score, CORRECT, extracted)
+    return Verdict(out.score, NO_ANSWER if out.extras.get("no_answer") else ERROR if out.extras.get("unverifiable")
+                   else WRONG, extracted)
 
 
 def math_verify_reward(response: str, answer: str, format_score: float = 0.0) -> float:
     """1.0 if the last ``\\boxed{}`` of ``response`` equals ``answer`` (math-verify), ``format_score`` if a boxed
     answer exists but is wrong, 0.0 if none (or if it could not be checked)."""
     return judge(response, answer, format_score).score
+
+
+def math_verify_fn(response: str, token_ids: list[int], row: dict, *, label_key: str = "answer",
+                   format_score: float = 0.0) -> dict:
+    """The built-in `math_verify` reward term: `judge` against row[label_key]. Its extras: `acc` (1 when
+    correct, verl's name) and `no_answer` (1 when there is no boxed answer); logged as reward/acc and
+    reward/no_answer. Runs in a pool worker (no SIGALRM limits there: the pool bounds time)."""
+    answer = row.get(label_key)
+    if answer is None and "." in label_key:  # a nested column (verl's reward_model.ground_truth)
+        answer = row
+        for part in label_key.split("."):
+            answer = answer.get(part) if isinstance(answer, dict) else None
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        answer = str(answer)
+    v = judge(response, answer, format_score, timeout_s=None)
+    return {"score": v.score, "acc": float(v.status == CORRECT), "no_answer": float(v.status == NO_ANSWER),
+            "unverifiable": float(v.status == ERROR)}

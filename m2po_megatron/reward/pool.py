@@ -1,4 +1,5 @@
-"""Batched math-verify rewards in worker processes with a hard per-item time limit.
+"""Reward functions run in worker processes with a hard per-item time limit (any function of the reward
+registry: math-verify, the sandboxed code reward, a user's `reward.function`).
 
 Each worker is a separate Python process (``python -m m2po_megatron.reward.worker``) talking JSON lines over
 pipes, so the pool works the same from a script without a ``__main__`` guard, a Ray actor or a thread, and
@@ -17,17 +18,15 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from .math_verify_reward import CORRECT, ERROR, NO_ANSWER, WRONG
+from .types import RewardInput, RewardOutput
 
 
 @dataclass
 class RewardStats:
     n: int = 0
-    correct: int = 0
-    wrong: int = 0
-    no_answer: int = 0
     timeouts: int = 0
-    errors: int = 0
+    errors: int = 0  # the function raised, or its worker died on the item
+    bad_values: int = 0  # it returned something that is not a reward (types.normalize)
     worker_restarts: int = 0
     seconds: float = 0.0
 
@@ -36,7 +35,7 @@ class RewardStats:
 
 
 class _Worker:
-    def __init__(self) -> None:
+    def __init__(self, header: bytes) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "m2po_megatron.reward.worker"],
@@ -45,17 +44,19 @@ class _Worker:
             env=env,
             bufsize=0,
         )
+        self.proc.stdin.write(header)  # the functions to import; it answers "ready" once they are
         os.set_blocking(self.proc.stdout.fileno(), False)
         self.buf = b""
         self.ready = False
-        self.inflight: deque[int] = deque()  # indices sent, in order; the head is being scored
+        self.inflight: deque[tuple[int, float]] = deque()  # (index, time limit) sent, in order; the head is being scored
         self.deadline = 0.0  # for the head item
 
-    def send(self, idx: int, response: str, answer: str, format_score: float, timeout_s: float) -> None:
+    def send(self, idx: int, fi: int, item: RewardInput, timeout_s: float) -> None:
         if not self.inflight:
             self.deadline = time.monotonic() + timeout_s
-        self.inflight.append(idx)
-        self.proc.stdin.write((json.dumps([idx, response, answer, format_score]) + "\n").encode())
+        self.inflight.append((idx, timeout_s))
+        line = json.dumps([idx, fi, item.response, list(item.token_ids), item.row], default=str)
+        self.proc.stdin.write((line + "\n").encode())
 
     def read_messages(self) -> list | None:
         """Complete messages available now; None when the worker has exited (EOF)."""
@@ -83,21 +84,31 @@ class _Worker:
                 pass
 
 
-class RewardPool:
-    """``RewardPool(num_workers, timeout_s, format_score)``; ``score(responses, answers) -> (scores, stats)``.
+MATH_VERIFY = ("m2po_megatron.reward.math_verify_reward:math_verify_fn", {})
 
-    ``timeout_s`` bounds each item's scoring time (from when its worker starts on it: the previous item's
-    answer); ``start_timeout_s`` bounds a worker's start-up (imports), after which scoring fails loudly.
-    ``prefetch`` items are queued per worker so it never waits for the parent between items.
+
+class RewardPool:
+    """``RewardPool(functions, num_workers, timeout_s)``; ``score(jobs) -> (outputs, stats)``.
+
+    ``functions``: ``[(target, args)]``, import paths as reward/functions.py resolves them, each called as
+    ``fn(response, token_ids, row, **args)``; a job is ``(function_index, RewardInput)`` (or a bare RewardInput
+    for function 0). ``timeout_s`` bounds each item's scoring time (from when its worker starts on it: the
+    previous item's answer), per function when ``timeouts`` gives one; ``start_timeout_s`` bounds a worker's
+    start-up (imports), after which scoring fails loudly. ``prefetch`` items are queued per worker so it never
+    waits for the parent between items.
     """
 
-    def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, format_score: float = 0.0,
-                 start_timeout_s: float = 120.0, prefetch: int = 4) -> None:
+    def __init__(self, functions: list[tuple[str, dict]] | None = None, num_workers: int = 2,
+                 timeout_s: float = 10.0, start_timeout_s: float = 120.0, prefetch: int = 4,
+                 timeouts: list[float | None] | None = None) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.num_workers, self.timeout_s, self.format_score = num_workers, float(timeout_s), float(format_score)
+        self.functions = [(str(t), dict(a)) for t, a in (functions or [MATH_VERIFY])]
+        self.num_workers, self.timeout_s = num_workers, float(timeout_s)
+        self.timeouts = [float(t) if t else self.timeout_s for t in (timeouts or [None] * len(self.functions))]
+        self._header = (json.dumps({"functions": self.functions}) + "\n").encode()
         self.start_timeout_s = start_timeout_s
         self.prefetch = max(1, int(prefetch))
         self.total = RewardStats()  # over the pool's lifetime
@@ -108,7 +119,7 @@ class RewardPool:
             self._spawn()
 
     def _spawn(self) -> _Worker:
-        w = _Worker()
+        w = _Worker(self._header)
         w.started = time.monotonic()
         self._sel.register(w.proc.stdout, selectors.EVENT_READ, w)
         self._workers.append(w)
@@ -119,22 +130,29 @@ class RewardPool:
         self._workers.remove(w)
         w.kill()
 
-    def score(self, responses: list[str], answers: list[str]) -> tuple[list[float], RewardStats]:
+    def score(self, jobs: list) -> tuple[list[RewardOutput], RewardStats]:
+        """One RewardOutput per job, in order: score None with status timeout, error (raised, or its worker
+        died) or bad_value when the function gave no reward."""
         if self._closed:
             raise RuntimeError("RewardPool is closed")
-        if len(responses) != len(answers):
-            raise ValueError(f"responses ({len(responses)}) and answers ({len(answers)}) differ in length")
+        jobs = [j if isinstance(j, tuple) else (0, j) for j in jobs]
+        for fi, _ in jobs:
+            if not 0 <= fi < len(self.functions):
+                raise ValueError(f"function index {fi} out of range ({len(self.functions)} functions)")
         t0 = time.monotonic()
-        stats = RewardStats(n=len(responses))
-        scores = [0.0] * len(responses)
-        pending = list(range(len(responses)))[::-1]  # pop() takes the lowest index first
-        remaining = len(responses)
-        counters = {CORRECT: "correct", WRONG: "wrong", NO_ANSWER: "no_answer", ERROR: "errors"}
+        stats = RewardStats(n=len(jobs))
+        outs: list[RewardOutput] = [RewardOutput(None, status="error") for _ in jobs]
+        pending = list(range(len(jobs)))[::-1]  # pop() takes the lowest index first
+        remaining = len(jobs)
 
         def replace(w: _Worker) -> None:
             self._retire(w)
             self._spawn()
             stats.worker_restarts += 1
+
+        def requeue(w: _Worker) -> None:  # the items queued behind a failed one are retried elsewhere
+            pending.extend(reversed([i for i, _ in w.inflight]))
+            w.inflight.clear()
 
         while remaining:
             now = time.monotonic()
@@ -143,12 +161,12 @@ class RewardPool:
                 for w in list(self._workers):
                     if w.ready and len(w.inflight) < depth and pending:
                         i = pending.pop()
+                        fi, item = jobs[i]
                         try:
-                            w.send(i, responses[i], answers[i], self.format_score, self.timeout_s)
+                            w.send(i, fi, item, self.timeouts[fi])
                         except (BrokenPipeError, OSError):  # it died: its items go back to the queue
                             w.inflight.pop()
-                            pending.extend(reversed(w.inflight))
-                            w.inflight.clear()
+                            requeue(w)
                             pending.append(i)
                             replace(w)
             busy = [w for w in self._workers if w.inflight]
@@ -159,36 +177,44 @@ class RewardPool:
                 msgs = w.read_messages()
                 if msgs is None:  # the worker died (e.g. out of memory): its current item is an error
                     if w.inflight:
-                        w.inflight.popleft()
+                        i, _ = w.inflight.popleft()
+                        outs[i] = RewardOutput(None, status="error", detail="its reward worker died on it")
                         stats.errors += 1
                         remaining -= 1
-                        pending.extend(reversed(w.inflight))  # the queued ones are retried elsewhere
-                        w.inflight.clear()
+                        requeue(w)
                     elif not w.ready:
-                        raise RuntimeError("a reward worker exited during start-up; run "
-                                           "`python -m m2po_megatron.reward.worker` to see why")
+                        self.close()
+                        raise RuntimeError("a reward worker exited during start-up; run `python -m "
+                                           "m2po_megatron.reward.worker` to see why")
                     replace(w)
                     continue
                 for m in msgs:
                     if m == "ready":
                         w.ready = True
                         continue
-                    idx, s, status = m[0], m[1], m[2]
-                    if not w.inflight or idx != w.inflight[0]:
+                    if m[0] == "failed":
+                        self.close()
+                        raise RuntimeError(f"a reward worker could not load the reward functions: {m[1]}")
+                    idx, score, extras, status, detail = m
+                    if not w.inflight or idx != w.inflight[0][0]:
                         continue  # not an item this worker owes (cannot happen with an ordered pipe)
                     w.inflight.popleft()
-                    w.deadline = time.monotonic() + self.timeout_s  # the next queued item starts now
-                    scores[idx] = float(s)
-                    setattr(stats, counters[status], getattr(stats, counters[status]) + 1)
+                    if w.inflight:  # the next queued item starts now
+                        w.deadline = time.monotonic() + w.inflight[0][1]
+                    outs[idx] = RewardOutput(None if score is None else float(score), extras, status, detail)
+                    if status == "error":
+                        stats.errors += 1
+                    elif status == "bad_value":
+                        stats.bad_values += 1
                     remaining -= 1
             now = time.monotonic()
             for w in list(self._workers):
                 if w.inflight and now >= w.deadline:
-                    w.inflight.popleft()  # its score stays 0
+                    i, limit = w.inflight.popleft()
+                    outs[i] = RewardOutput(None, status="timeout", detail=f"no verdict within {limit:g} s")
                     stats.timeouts += 1
                     remaining -= 1
-                    pending.extend(reversed(w.inflight))  # queued items behind it are retried elsewhere
-                    w.inflight.clear()
+                    requeue(w)
                     replace(w)
                 elif not w.ready and now - w.started > self.start_timeout_s:
                     self.close()
@@ -196,7 +222,7 @@ class RewardPool:
         stats.seconds = time.monotonic() - t0
         for k, v in asdict(stats).items():
             setattr(self.total, k, getattr(self.total, k) + v)
-        return scores, stats
+        return outs, stats
 
     def close(self) -> None:
         if self._closed:

@@ -20,6 +20,7 @@ import warnings
 from typing import Callable, ContextManager, Optional, Protocol, runtime_checkable
 
 from m2po_megatron.data.prompts import PromptStream, Tokenize
+from m2po_megatron.data.rows import TaskRow, task_state
 from m2po_megatron.infra import trace
 from m2po_megatron.rollout.groups import (  # noqa: F401  (re-exported: the generators' public names)
     GenStats, GroupMaker, LockedRewards, RoutingSpec, _answered, engine_mismatch, group_from_dict, group_to_dict,
@@ -378,7 +379,10 @@ class AsyncGenerator:
             return {"next_gid": self.next_gid, "controller": self.ctl.state_dict(),
                     "finished_since_batch": self.finished_since_batch,  # a resume filters as the run would
                     "finished": [group_to_dict(g) for g in self.finished.values()],
-                    "regenerate": [g.row for g in self.inflight.values()] + self.regenerate,
+                    # the exact prompt tokens and the whole row: a resumed run regenerates the same prompts
+                    "regenerate": [task_state(TaskRow(g.prompt_id, list(g.prompt_ids), "", g.row or {},
+                                                      g.answer or None)) for g in self.inflight.values()]
+                                  + self.regenerate,
                     "inflight_ids": [s for g in self.inflight.values()
                                      for s in sample_ids_for(g.group_id, self.maker.n)]}
 
@@ -419,7 +423,7 @@ def make_generator(cfg, client, rewards, tokenizer, prompts: PromptStream, ledge
     maker = GroupMaker(client, rewards, tokenizer, Tokenize(tokenizer, cfg.data.max_prompt_len),
                        sampling_params(cfg), n=r.n_samples_per_prompt, seed=cfg.run.seed,
                        filter_metric=t.filter_groups.metric, routing=routing,
-                       runner=runner_for(cfg, tokenizer, score=lambda text, answer: maker.score_one(text, answer),
+                       runner=runner_for(cfg, tokenizer, score=lambda *a: maker.score_one(*a),
                                          routed_experts=routing is not None))
     if s.mode == "bounded":
         ctl = StalenessController(s.max_staleness, groups_per_step=t.prompts_per_step,

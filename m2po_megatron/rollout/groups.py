@@ -14,7 +14,9 @@ from typing import Optional
 from m2po_megatron.agents.runner import Episode
 from m2po_megatron.agents.types import RolloutResult
 from m2po_megatron.data.prompts import Tokenize
+from m2po_megatron.data.rows import as_task
 from m2po_megatron.infra import trace
+from m2po_megatron.reward.types import RewardInput
 from m2po_megatron.rollout import routing as rr
 from m2po_megatron.rollout.samples import Group, Sample, sample_ids_for
 
@@ -42,20 +44,21 @@ def routing_spec(cfg) -> Optional[RoutingSpec]:
 
 @dataclass
 class GenStats:
-    rewards: dict  # reward-pool counters since the previous call (timeouts, errors, verdicts)
+    rewards: dict  # reward/* since the previous call (counters, failures, the means of the terms' extras)
     tokens_per_s: float  # generated tokens per second of wall time since then (all servers together)
     extra: dict = field(default_factory=dict)  # filter_groups/* since then, the last engine_mismatch/*
 
 
 class LockedRewards:
-    """The run's reward pool, shared with the generation thread (one caller at a time)."""
+    """The run's reward, shared with the generation thread (one caller at a time). Evaluation scores through
+    it without touching the training counters."""
 
-    def __init__(self, pool, lock):
-        self.pool, self.lock = pool, lock
+    def __init__(self, rewards, lock):
+        self.rewards, self.lock = rewards, lock
 
-    def score(self, responses, answers):
+    def score(self, items):
         with self.lock:
-            return self.pool.score(responses, answers)
+            return self.rewards.score(items, record=False)
 
 
 class GroupMaker:
@@ -74,7 +77,6 @@ class GroupMaker:
         self.filter_metric = filter_metric  # train.filter_groups.metric: what must vary within a kept group
         self.sampling, self.n, self.seed = sampling, n, seed
         self.reward_lock = threading.Lock()  # the reward pool serves one caller at a time
-        self.reward_stats: dict = {}
         self.gen_tokens = 0
         self._tp_mark: Optional[tuple[float, int]] = None  # (time, gen_tokens) at the previous stats()
         self.filter_counts: Counter = Counter()  # train.filter_groups: kept / dropped groups, generation rounds
@@ -89,9 +91,11 @@ class GroupMaker:
         # a missing routing map is a set-up error for the built-in rollout; a plug-in's is its own (counted)
         self.strict_routing = runner.name == "single_turn"
 
-    def new_group(self, gid: str, row: dict) -> Group:
-        return Group(group_id=gid, prompt_id=str(row["id"]), prompt_ids=self.tokenize(row["prompt"]),
-                     answer=str(row["answer"]), row=row)
+    def new_group(self, gid: str, task) -> Group:
+        """task: a TaskRow (data/rows.py); a checkpoint's regenerated prompt may be its saved form (as_task)."""
+        task = as_task(task, self.tokenize)
+        return Group(group_id=gid, prompt_id=task.id, prompt_ids=task.prompt_ids, answer=task.label or "",
+                     row=task.row)
 
     def group_seed(self, group: Group) -> int:
         # A per-group seed makes sampling reproducible (fixed_lag resume equality) and independent of
@@ -137,25 +141,34 @@ class GroupMaker:
 
     def score(self, groups: list[Group]) -> None:
         """The recipe's reward of each usable sample's text (its policy tokens; the environment's are not the
-        policy's answer), unless the rollout function gave the reward."""
-        samples = [s for g in groups for s in g.samples if s.finish_reason != "abort" and s.rollout_problem is None]
-        for s in samples:
-            s.text = self.tok.decode(s.policy_ids, skip_special_tokens=True)
-        samples = [s for s in samples if s.reward is None]
+        policy's answer), unless the rollout function gave the reward. A sample whose reward failed under
+        reward.on_error = drop keeps no reward and is dropped (reward_error) by build_step_batch."""
+        todo = []
+        for g in groups:
+            usable = [s for s in g.samples if s.finish_reason != "abort" and s.rollout_problem is None]
+            for s in usable:
+                s.text = self.tok.decode(s.policy_ids, skip_special_tokens=True)
+            usable = [s for s in usable if s.reward is None]
+            if usable:
+                row = group_row(g)
+                prompt = self.tok.decode(g.prompt_ids) if self.rewards.needs_prompt else ""
+                todo += [(s, RewardInput(s.text, s.policy_ids, row, prompt, s.finish_reason)) for s in usable]
+        if not todo:
+            return
         with self.reward_lock:
-            scores, stats = self.rewards.score([s.text for s in samples], [s.answer for s in samples])
-            for k, v in stats.as_dict().items():
-                self.reward_stats[k] = self.reward_stats.get(k, 0) + v
-        for s, r in zip(samples, scores):
-            s.reward = float(r)
+            scored = self.rewards.score([item for _, item in todo])
+        for (s, _), r in zip(todo, scored):
+            s.reward = r.score
+            if r.score is None:
+                s.reward_problem = r.failed
 
-    def score_one(self, text: str, answer: str) -> float:
-        """ctx.reward of a rollout function: the recipe's reward, counted with the rest (blocking)."""
+    def score_one(self, text: str, row: dict, token_ids: Optional[list] = None) -> float:
+        """ctx.reward of a rollout function: the recipe's reward, counted with the rest (blocking). A failed
+        term scores reward.error_score here (the function decides what to do with its episode)."""
+        ids = list(token_ids) if token_ids is not None else self.tok(text, add_special_tokens=False)["input_ids"]
         with self.reward_lock:
-            (score,), stats = self.rewards.score([text], [answer])
-            for k, v in stats.as_dict().items():
-                self.reward_stats[k] = self.reward_stats.get(k, 0) + v
-        return float(score)
+            (r,) = self.rewards.score([RewardInput(text, ids, row)])
+        return float(r.score) if r.score is not None else self.rewards.error_score
 
     def informative(self, group: Group) -> bool:
         return informative(group, self.filter_metric)
@@ -169,8 +182,8 @@ class GroupMaker:
             self.filter_counts.update(counts)
 
     def stats(self, since: float) -> GenStats:
+        rewards = self.rewards.stats()
         with self.reward_lock:
-            rewards, self.reward_stats = self.reward_stats, {}
             counts, self.filter_counts = self.filter_counts, Counter()
             mismatch, self.mismatch = self.mismatch, {}
             bad_routing, self.routing_counts = self.routing_counts, Counter()
@@ -218,6 +231,12 @@ def _trace_request(gid: str, t0: float, fut) -> None:
     tokens = sum(len(e.result.token_ids) for e in eps if e.result is not None)
     trace.complete("generate", "request", t0, t1, tid=(eps[0].server or "server") if eps else "server",
                    args={"group": gid, "n": len(eps), "tokens": tokens})
+
+
+def group_row(g: Group) -> dict:
+    """The group's data row (every field of it); a group restored from an older checkpoint kept only its id and
+    answer."""
+    return g.row if g.row is not None else {"id": g.prompt_id, "answer": g.answer}
 
 
 def _answered(samples) -> list[Sample]:

@@ -35,6 +35,7 @@ class Sample:
     # log-prob 0.0 and version -1 are never read); None: every output token is the policy's.
     loss_mask: Optional[list[int]] = None
     rollout_problem: Optional[str] = None  # why the rollout function's result was unusable (dropped: bad_rollout)
+    reward_problem: Optional[str] = None  # a reward term failed and reward.on_error = drop (dropped: reward_error)
     metadata: dict = field(default_factory=dict)  # the rollout function's, kept with the sample
 
     def policy(self, values: list) -> list:
@@ -87,6 +88,8 @@ def _unusable(s: Sample) -> Optional[str]:
         return "filtered"
     if s.routing_problem is not None:
         return "bad_routing"
+    if s.reward_problem is not None:
+        return "reward_error"
     return None
 
 
@@ -112,7 +115,8 @@ class StepBatch:
 
 
 def build_step_batch(groups: Sequence[Group], version: int, ledger, *, max_staleness: Optional[int] = None,
-                     drop_too_stale: bool = True, norm_by_std: bool = True, eps: float = 1e-6) -> StepBatch:
+                     drop_too_stale: bool = True, norm_by_std: bool = True, eps: float = 1e-6,
+                     overlong_filtering: bool = False) -> StepBatch:
     """Turn scored groups into the trainer's batch at trainer `version`.
 
     Drops (recorded in the ledger with a reason): aborted samples (`aborted`), a rollout function's unusable
@@ -120,7 +124,11 @@ def build_step_batch(groups: Sequence[Group], version: int, ledger, *, max_stale
     routing-replay data was unusable (`bad_routing`, see
     rollout/routing.py), and, when `drop_too_stale`, samples whose oldest token is more than
     `max_staleness` updates behind (`too_stale`). Advantages are group-normalised over the samples that
-    remain, so a dropped sample never shifts its siblings' baseline by a reward that is not trained on."""
+    remain, so a dropped sample never shifts its siblings' baseline by a reward that is not trained on.
+
+    `overlong_filtering` (DAPO; NeMo-RL's overlong_filtering): a truncated sample (finish reason `length`) keeps
+    its reward in its group's baseline but is masked from the loss: it is left out of the trainer's batch, which
+    is what an all-zero loss mask would contribute, consumed in the ledger and counted (overlong/filtered)."""
     keep: list[Sample] = []
     stale_drops: list[str] = []
     future = 0
@@ -128,7 +136,7 @@ def build_step_batch(groups: Sequence[Group], version: int, ledger, *, max_stale
         for s in g.samples:  # versions a rollout function made up: the ledger would refuse them
             if _unusable(s) is None and s.policy_versions and max(s.policy_versions) > version:
                 s.rollout_problem, future = "missing_versions", future + 1
-        for reason in ("aborted", "bad_rollout", "filtered", "bad_routing"):
+        for reason in ("aborted", "bad_rollout", "filtered", "bad_routing", "reward_error"):
             ids = [s.sample_id for s in g.samples if _unusable(s) == reason]
             if ids:
                 ledger.drop(ids, reason)
@@ -157,6 +165,15 @@ def build_step_batch(groups: Sequence[Group], version: int, ledger, *, max_stale
     adv = grpo_advantages(rewards, group_ids=group_index, norm_by_std=norm_by_std, eps=eps)
 
     ledger.consume([s.sample_id for s in keep], version, [list(s.policy_versions) for s in keep])
+    if overlong_filtering:
+        trained = [i for i, s in enumerate(keep) if s.finish_reason != "length"]
+        metrics["overlong/filtered"] = len(keep) - len(trained)
+        if not trained:
+            metrics.update({"reward/mean": float(rewards.mean()), "reward/max": float(rewards.max())})
+            return StepBatch(None, [], metrics)
+        scored, keep, adv = rewards, [keep[i] for i in trained], adv[trained]
+    else:
+        scored = rewards
     routed = {"routed_experts": [routed_rows(s) for s in keep]} if any(
         s.routed_experts is not None for s in keep) else {}  # R3 only: a dense run's batch is unchanged
     masked = any(s.loss_mask is not None and not all(s.loss_mask) for s in keep)
@@ -173,8 +190,8 @@ def build_step_batch(groups: Sequence[Group], version: int, ledger, *, max_stale
     lengths = [len(s.output_ids) for s in keep]
     policy = [len(s.policy_ids) for s in keep]
     metrics.update({
-        "reward/mean": float(rewards.mean()),
-        "reward/max": float(rewards.max()),
+        "reward/mean": float(scored.mean()),  # every scored sample of the step, filtered ones too
+        "reward/max": float(scored.max()),
         "response_length/mean": sum(lengths) / len(lengths),
         "response_length/max": max(lengths),
         "response_length/std": (sum((x - sum(lengths) / len(lengths)) ** 2 for x in lengths) / len(lengths)) ** 0.5,

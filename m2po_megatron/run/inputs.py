@@ -21,41 +21,35 @@ def load_tokenizer(cfg: DictConfig):
                           f"directory with tokenizer files (or set model.tokenizer)") from None
 
 
-def load_data(cfg: DictConfig, tokenizer):
-    """The training prompts and eval sets, read and checked (rows, prompt lengths) before Ray starts, each
-    prompt the exact text the model sees (data.prompt_template and the chat template applied the same way
-    to both; see data.prepare.final_prompts). A bad file is a ConfigError naming the field, file and row."""
+def load_data(cfg: DictConfig, tokenizer, require_label: bool = True):
+    """The training rows (a PromptStream) and eval sets, as TaskRows (data/rows.py): every row read, checked
+    and rendered to the exact tokens the model sees before Ray starts, training and evaluation alike.
+    `require_label`: the reward needs data.label_key in every row (math_verify does). A bad file or row is a
+    ConfigError naming the option, file, line or row and column."""
     from m2po_megatron.config import ConfigError
-    from m2po_megatron.data.prepare import final_prompts
+    from m2po_megatron.data.prompts import PromptStream
+    from m2po_megatron.data.rows import DataError, load_task_rows
     from m2po_megatron.eval.benchmarks import EvalSet
-    from m2po_megatron.data.prompts import PromptStream, Tokenize, load_prompt_rows
 
     d = cfg.data
     if not d.train_path:
-        raise ConfigError("data.train_path is not set; prepare data with `m2po prepare-data`")
-    tokenize = Tokenize(tokenizer, d.max_prompt_len)
-    files = [("data.train_path", d.train_path)]
-    files += [(f"data.eval_paths[{i}]", p) for i, p in enumerate(d.eval_paths)]
-    loaded = []
-    for key, path in files:
+        raise ConfigError("data.train_path is not set; point it at your rows (docs/data.md) or prepare data with "
+                          "`m2po prepare-data`")
+
+    def rows_of(path: str, split: str, key: str):
         try:
-            rows = final_prompts(load_prompt_rows(path), template=d.prompt_template, tokenizer=tokenizer,
-                                 apply_chat_template=d.apply_chat_template, source=path)
-        except ValueError as e:
-            raise ConfigError(f"{key}: {e}") from None
-        for row in rows:
-            try:
-                tokenize(row["prompt"])
-            except Exception as e:  # noqa: BLE001 - a tokenizer may fail in many ways on odd text
-                raise ConfigError(f"{key}: {path}: row {row['id']}: {e}") from None
-        loaded.append(rows)
-    try:
-        prompts = PromptStream(loaded[0], d.shuffle_seed)
-        e = cfg.eval
-        eval_sets = []
-        for path, rows in zip(d.eval_paths, loaded[1:]):
-            name = Path(path).name.split(".")[0]
+            return load_task_rows(path, d, tokenizer, split=split, require_label=require_label, key=key)
+        except DataError as err:  # bad input: exit 2 before Ray starts (the message names option, file and row)
+            raise ConfigError(str(err)) from None
+
+    train = rows_of(d.train_path, d.train_split, "data.train_path")
+    e = cfg.eval
+    eval_sets = []
+    for i, path in enumerate(d.eval_paths):
+        rows = rows_of(path, d.eval_split, f"data.eval_paths[{i}]")
+        name = Path(path).name.split(".")[0]
+        try:
             eval_sets.append(EvalSet(name, rows, e.n_samples_overrides.get(name, e.n_samples)))
-    except ValueError as e:
-        raise ConfigError(f"data: {e}") from None
-    return prompts, eval_sets
+        except ValueError as err:
+            raise ConfigError(f"data.eval_paths[{i}]: {err}") from None
+    return PromptStream(train, d.shuffle_seed), eval_sets

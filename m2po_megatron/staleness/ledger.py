@@ -15,6 +15,7 @@ DROP_REASONS = (
     "zero_variance",  # its group's rewards were all equal (train.filter_groups: zero advantage, nothing to learn)
     "bad_routing",  # algo.routing_replay=r3: the engine's routed experts were missing or malformed (rollout/routing.py)
     "bad_rollout",  # rollout.function's result was unusable: raised, timed out, malformed (agents/runner.py)
+    "reward_error",  # a reward term failed (time limit, exception, service down) and reward.on_error = drop
 )
 
 

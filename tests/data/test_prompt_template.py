@@ -74,8 +74,11 @@ def test_the_run_feeds_training_and_evaluation_the_same_prompt(tmp_path, tok):
                       check_files=False)
     prompts, eval_sets = load_data(cfg, tok)
     expected = {chat(tok, M2PO_TEMPLATE.format(problem=r["problem"])) for r in ROWS}
-    assert {r["prompt"] for r in prompts.rows} == expected
-    assert {r["prompt"] for r in eval_sets[0].rows} == expected
+    assert {r.prompt for r in prompts.rows} == expected
+    assert {r.prompt for r in eval_sets[0].rows} == expected
+    # the tokens are the text's, and the rows keep every field as the file has it
+    assert all(r.prompt_ids == tok(r.prompt, add_special_tokens=False)["input_ids"] for r in prompts.rows)
+    assert sorted((r.row for r in eval_sets[0].rows), key=lambda r: r["id"]) == ROWS
 
 
 PAPER = sorted(p for p in (Path(__file__).resolve().parents[2] / "recipes" / "paper").glob("*.yaml")

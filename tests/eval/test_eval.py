@@ -9,7 +9,9 @@ import pytest
 
 from m2po_megatron.cli import main as cli
 from m2po_megatron.config import load_config
+from m2po_megatron.config.schema import DataSection
 from m2po_megatron.data.records import load_rows
+from m2po_megatron.data.rows import TaskRow, load_task_rows
 from m2po_megatron.demo.tiny_tokenizer import build_tiny_tokenizer
 from m2po_megatron.eval import EvalSet, evaluate, hf_generate_fn, load_eval_sets
 from m2po_megatron.eval.in_run import Evaluator
@@ -22,6 +24,13 @@ def _rows(n, start=0):
     return [{"id": f"s/{i}", "prompt": tok.apply_chat_template([{"role": "user", "content": f"Compute {i}+1."}],
                                                                 tokenize=False, add_generation_prompt=True),
              "answer": str(i + 1)} for i in range(start, start + n)]
+
+
+def _tasks(n, start=0):
+    """_rows as load_data gives them: TaskRows of the prepared text."""
+    tok = build_tiny_tokenizer()
+    return [TaskRow(r["id"], tok(r["prompt"], add_special_tokens=False)["input_ids"], r["prompt"], r, r["answer"])
+            for r in _rows(n, start)]
 
 
 def _scripted(tok, correct_per_prompt):
@@ -45,7 +54,7 @@ def _scripted(tok, correct_per_prompt):
 
 def test_pass_at_1_is_mean_of_per_problem_fractions(tmp_path):
     tok = build_tiny_tokenizer()
-    a, b = _rows(3), _rows(2, start=10)
+    a, b = _tasks(3), _tasks(2, start=10)
     # set a: 4 samples, correct counts 4, 1, 0 -> (1 + .25 + 0) / 3; set b: 4 samples, 2 and 2 -> .5
     gen, calls = _scripted(tok, {0: 4, 1: 1, 2: 0, 10: 2, 11: 2})
     res = evaluate(gen, tok, [EvalSet("a", a, 4), EvalSet("b", b, 4)], temperature=0.6, top_p=0.9,
@@ -71,19 +80,22 @@ def test_pass_at_1_is_mean_of_per_problem_fractions(tmp_path):
 
 def test_bad_inputs_fail_early():
     tok = build_tiny_tokenizer()
-    with pytest.raises(ValueError, match="answer"):
-        EvalSet("x", [{"id": "1", "prompt": "p", "answer": ""}], 4)
+    with pytest.raises(ValueError, match="a dict, not a TaskRow"):
+        EvalSet("x", [{"id": "1", "prompt": "p", "answer": "1"}], 4)
     with pytest.raises(ValueError, match="n_samples"):
-        EvalSet("x", _rows(1), 0)
+        EvalSet("x", _tasks(1), 0)
     gen, _ = _scripted(tok, {0: 1})
     with pytest.raises(ValueError, match="top_p"):
-        evaluate(gen, tok, [EvalSet("x", _rows(1), 1)], top_p=0.0)
+        evaluate(gen, tok, [EvalSet("x", _tasks(1), 1)], top_p=0.0)
+    unlabelled = [TaskRow("u", [5], "p", {"prompt": "p"}, None)]
+    with pytest.raises(ValueError, match="eval set x row u: no label"):  # math-verify needs the reference answer
+        evaluate(gen, tok, [EvalSet("x", unlabelled, 1)])
 
     def short(prompts, n, *a):
         return [[[1]] for _ in prompts]  # one sample where n were asked for
 
     with pytest.raises(RuntimeError, match="generate_fn returned"):
-        evaluate(short, tok, [EvalSet("x", _rows(2), 3)], max_new_tokens=4)
+        evaluate(short, tok, [EvalSet("x", _tasks(2), 3)], max_new_tokens=4)
 
 
 def test_load_eval_sets_defaults(tmp_path):
@@ -94,6 +106,18 @@ def test_load_eval_sets_defaults(tmp_path):
     sets = {s.name: s for s in load_eval_sets(tmp_path)}
     assert sets["aime24"].n_samples == 16 and sets["math500"].n_samples == 4
     assert len(load_eval_sets(tmp_path, ["math500"], n_samples=2, limit=2)[0].rows) == 2
+    # `m2po eval` reads the sets before it has a tokenizer: the text is kept and evaluate() encodes it; with
+    # one, the rows carry their tokens (the prepared prompt as it is: no chat template added)
+    tok = build_tiny_tokenizer()
+    bare, = load_eval_sets(tmp_path, ["aime24"])
+    full, = load_eval_sets(tmp_path, ["aime24"], tokenizer=tok)
+    assert [r.prompt_ids for r in bare.rows] == [[]] * 3 and [r.label for r in bare.rows] == ["1", "2", "3"]
+    assert [r.prompt_ids for r in full.rows] == [t.prompt_ids for t in _tasks(3)]
+    gen, calls = _scripted(tok, {0: 1, 1: 0, 2: 4})
+    assert evaluate(gen, tok, [bare]).average == evaluate(gen, tok, [full]).average == pytest.approx(5 / 16 / 3)
+    write_jsonl([{"prompt": "p"}], tmp_path / "amc24.jsonl")
+    with pytest.raises(ValueError, match=r"eval set amc24: .*amc24.jsonl:1: column 'answer'"):
+        load_eval_sets(tmp_path, ["amc24"])
     with pytest.raises(FileNotFoundError, match="prepare-data"):
         load_eval_sets(tmp_path, ["amc23"])
 
@@ -115,6 +139,7 @@ def test_tiny_task_starts_in_band(tiny_task):
     assert not {r["problem"] for r in ev} & {r["problem"] for r in train}
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(tiny_task)
+    ev = load_task_rows(str(tiny_task / "eval.jsonl"), DataSection(apply_chat_template=False), tok)
     model = AutoModelForCausalLM.from_pretrained(tiny_task)
     gen = hf_generate_fn(model, tok.pad_token_id, tok.eos_token_id, seed=123)
     res = evaluate(gen, tok, [EvalSet("sums", ev, 4)], temperature=1.0, top_p=1.0, max_new_tokens=32)
@@ -194,7 +219,7 @@ def test_answers_from_other_weights_are_counted_and_reported(tmp_path, capsys):
     assert versions == {4: 4, 0: 2}  # prompts 0 and 2 at version 4, prompt 1 at 0; two samples each
 
     cfg = load_config(None, ["eval.n_samples=2"], check_files=False)
-    sets = [EvalSet("sums", _rows(3), 2)]
+    sets = [EvalSet("sums", _tasks(3), 2)]
     ev = Evaluator(cfg, TwoServers(tok, 4), tok, sets, tmp_path, None)
     m = ev(7, version=4)
     assert m["eval/answers_at_other_weights"] == 2 and "eval/avg/pass@1" in m

@@ -83,7 +83,7 @@ def test_any_training_file_loads_or_fails_with_a_config_error_naming_it(tiny_tas
         except ConfigError as e:
             assert "data.train_path" in str(e) and str(path) in str(e), str(e)
         else:
-            assert prompts.rows and all(isinstance(r["prompt"], str) and r["answer"] for r in prompts.rows)
+            assert prompts.rows and all(isinstance(r.prompt, str) and r.prompt_ids and r.label for r in prompts.rows)
 
 
 @SETTINGS

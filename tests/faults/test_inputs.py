@@ -76,8 +76,8 @@ def test_used_run_dir_is_refused_and_a_truncated_checkpoint_is_skipped(tiny_task
 @pytest.mark.parametrize("content, needle", [
     ('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"\n', ":2: not valid JSON"),
     ("", "no rows"),
-    ('{"prompt": "1+1="}\n', ":1: a row needs a non-empty 'answer'"),
-    ('["not", "an", "object"]\n', ":1: a row needs a non-empty string 'prompt'"),
+    ('{"prompt": "1+1="}\n', ":1: column 'answer' (data.label_key): missing or empty"),
+    ('["not", "an", "object"]\n', ":1: not an object but a list"),
     ('{"prompt": "' + "1+" * 200 + '1=", "answer": "2"}\n', "data.max_prompt_len"),
     (b"\xff\xfe\x00garbage", "cannot read it"),
 ], ids=["bad-json", "empty", "no-answer", "not-object", "too-long", "binary"])

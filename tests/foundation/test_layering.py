@@ -98,16 +98,18 @@ def test_no_package_imports_round_a_loop():
 # What each package may import, layer by layer from the bottom (docs/architecture.md, "Layers"). A package
 # imports only packages of lower layers; the entry points (train.py, cli.py, commands/) import anything.
 ALLOWED = {
-    "algo": set(), "infra": set(), "data": set(), "reward": set(), "staleness": set(), "contracts": set(),
+    "algo": set(), "infra": set(), "data": set(), "staleness": set(), "contracts": set(),
+    "reward": {"infra", "sandbox"},  # plug-in resolution (infra/plugins.py); the code reward's sandbox
+    "sandbox": set(),
     "models": {"infra"},
-    "agents": {"models"},  # rollout plug-ins; m2po_megatron.api (a root module) re-exports their public names
+    "agents": {"infra", "models"},  # rollout plug-ins; m2po_megatron.api (a root module) re-exports their public names
     "examples": {"api"},  # example plug-ins, written only with m2po_megatron.api as users' are
     "actor": {"algo", "infra", "models"},
     "eval": {"agents", "data", "reward"},
     "convert": {"actor", "infra", "models"},
-    "rollout": {"actor", "agents", "algo", "contracts", "data", "infra", "models", "staleness"},
+    "rollout": {"actor", "agents", "algo", "contracts", "data", "infra", "models", "reward", "staleness"},
     "demo": {"api", "eval", "examples", "reward"},  # the agent task's warm-up is measured with its rollout function
-    "config": {"actor", "agents", "algo", "data", "models", "rollout"},
+    "config": {"actor", "agents", "algo", "data", "models", "reward", "rollout"},
     "run": {"actor", "config", "convert", "data", "eval", "infra", "rollout"},
     "sweep": {"config", "infra", "models", "run"},
     "plan": {"config", "infra", "models", "rollout", "run", "staleness"},

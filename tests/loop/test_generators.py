@@ -4,8 +4,10 @@ reward counters and generated tokens read once per step)."""
 import pytest
 
 from m2po_megatron.data.prompts import PromptStream, Tokenize
+from m2po_megatron.data.rows import TaskRow
 from m2po_megatron.demo.tiny_tokenizer import build_tiny_tokenizer
-from m2po_megatron.reward import RewardPool
+from m2po_megatron.reward import RewardInput, Rewards
+from m2po_megatron.reward.functions import terms_of
 from m2po_megatron.rollout.client import SampleResult
 from m2po_megatron.rollout.generators import AsyncGenerator, Generator, GroupMaker, SyncGenerator
 from m2po_megatron.rollout.groups import informative
@@ -16,9 +18,19 @@ ROWS = [{"id": f"r{i}", "prompt": f"What is {i}+1?", "answer": str(i + 1)} for i
 N = 2
 
 
+def tasks(tok) -> list[TaskRow]:
+    """ROWS as load_data gives them (text prompts without a chat template)."""
+    return [TaskRow(r["id"], tok(r["prompt"], add_special_tokens=False)["input_ids"], r["prompt"], r, r["answer"])
+            for r in ROWS]
+
+
 @pytest.fixture(scope="module")
 def tok():
     return build_tiny_tokenizer()
+
+
+def math_rewards() -> Rewards:
+    return Rewards(terms_of({"function": "math_verify"}), num_workers=1, timeout_s=20.0)
 
 
 def maker(tok, rewards=None) -> GroupMaker:
@@ -30,11 +42,11 @@ def controller() -> StalenessController:
 
 
 def async_gen(tok) -> AsyncGenerator:
-    return AsyncGenerator(maker(tok), PromptStream(ROWS, 0), SampleLedger(), controller(), 2)
+    return AsyncGenerator(maker(tok), PromptStream(tasks(tok), 0), SampleLedger(), controller(), 2)
 
 
 def test_both_generators_satisfy_the_protocol(tok):
-    sync = SyncGenerator(maker(tok), PromptStream(ROWS, 0), SampleLedger(), 2, FixedLagQueue(1, 2))
+    sync = SyncGenerator(maker(tok), PromptStream(tasks(tok), 0), SampleLedger(), 2, FixedLagQueue(1, 2))
     for gen in (sync, async_gen(tok)):
         assert isinstance(gen, Generator), type(gen).__name__
     assert not isinstance(object(), Generator)  # the check does look at the methods
@@ -67,7 +79,7 @@ def test_on_step_and_on_sync_drive_the_controller_as_before(tok):
 
 
 def test_sync_generator_always_syncs_and_has_nothing_to_pause(tok):
-    gen = SyncGenerator(maker(tok), PromptStream(ROWS, 0), SampleLedger(), 2)
+    gen = SyncGenerator(maker(tok), PromptStream(tasks(tok), 0), SampleLedger(), 2)
     before = gen.state_dict()
     gen.start(), gen.pause(), gen.on_step(2, updates=2), gen.on_sync(2), gen.resume()
     assert gen.needs_sync() and gen.state_dict() == before and gen.pending() == 0
@@ -76,23 +88,25 @@ def test_sync_generator_always_syncs_and_has_nothing_to_pause(tok):
 
 
 def test_stats_are_read_once_per_step(tok):
-    with RewardPool(num_workers=1, timeout_s=20.0) as pool:
+    with math_rewards() as pool:
         m = maker(tok, pool)
-        g = m.new_group("g0", ROWS[0])
+        g = m.new_group("g0", tasks(tok)[0])
         out = [SampleResult(output_ids=tok(t, add_special_tokens=False)["input_ids"], output_logprobs=[],
                             token_versions=[], finish_reason="stop", prompt_tokens=3, weight_version=0)
                for t in (r"\boxed{1}", "no idea")]
         for s, o in zip(m.fill(g, out).samples, out):
             s.logprobs, s.versions = [-1.0] * len(o.output_ids), [0] * len(o.output_ids)
         m.score([g])
-        gen = SyncGenerator(m, PromptStream(ROWS, 0), SampleLedger(), 1)
+        gen = SyncGenerator(m, PromptStream(tasks(tok), 0), SampleLedger(), 1)
         first = gen.stats(since=0.0)
         assert first.rewards and sum(v for k, v in first.rewards.items() if k.startswith("reward/")) > 0
         assert first.tokens_per_s > 0
         again = gen.stats(since=0.0)  # nothing new since the previous call
         assert again.rewards == {} and again.tokens_per_s == 0.0
-        scores, _ = gen.eval_rewards().score([r"\boxed{2}", "x"], ["2", "2"])  # the same pool, for evaluation
-        assert list(scores) == [1.0, 0.0]
+        scored = gen.eval_rewards().score([RewardInput(r"\boxed{2}", [], {"answer": "2"}),
+                                           RewardInput("x", [], {"answer": "2"})])  # the same pool, for evaluation
+        assert [s.score for s in scored] == [1.0, 0.0]
+        assert gen.stats(since=0.0).rewards == {}  # evaluation leaves the training counters alone
 
 
 class RecordingRanks:
@@ -151,9 +165,9 @@ def test_bounded_filter_groups_drops_uniform_groups_and_takes_a_short_batch_when
     """max_gen_batches=1, 2 groups per step: an all-wrong group is dropped as it finishes (ledger
     zero_variance, its admission slot freed for a replacement); after 2 finished groups the one informative
     group is trained as a short batch instead of waiting for a second."""
-    with RewardPool(num_workers=1, timeout_s=20.0) as pool:
+    with math_rewards() as pool:
         ledger = SampleLedger()
-        gen = AsyncGenerator(maker(tok, pool), PromptStream(ROWS, 0), ledger, controller(), 2, max_gen_batches=1)
+        gen = AsyncGenerator(maker(tok, pool), PromptStream(tasks(tok), 0), ledger, controller(), 2, max_gen_batches=1)
         admitted = gen._admit()
         capacity = gen.ctl.capacity()
         uniform, mixed = admitted[0], admitted[1]
@@ -206,9 +220,9 @@ def test_bounded_filter_groups_never_waits_past_its_budget_and_a_resume_keeps_th
     def uniform(gen, group):
         gen._finish(group, _results(tok, ["no idea", "none"]))
 
-    with RewardPool(num_workers=1, timeout_s=20.0) as pool:
+    with math_rewards() as pool:
         ledger = SampleLedger()
-        gen = AsyncGenerator(maker(tok, pool), PromptStream(ROWS, 0), ledger, controller(), 2, max_gen_batches=1)
+        gen = AsyncGenerator(maker(tok, pool), PromptStream(tasks(tok), 0), ledger, controller(), 2, max_gen_batches=1)
         first, second = gen._admit()[:2]
         uniform(gen, first)
         assert gen.finished_since_batch == 1
@@ -218,7 +232,7 @@ def test_bounded_filter_groups_never_waits_past_its_budget_and_a_resume_keeps_th
         assert state["finished_since_batch"] == 1
         ledger2 = SampleLedger()
         ledger2.load_state_dict(json.loads(json.dumps(ledger.state_dict())))
-        resumed = AsyncGenerator(maker(tok, pool), PromptStream(ROWS, 0), ledger2, controller(), 2,
+        resumed = AsyncGenerator(maker(tok, pool), PromptStream(tasks(tok), 0), ledger2, controller(), 2,
                                  max_gen_batches=1)
         resumed.load_state_dict(state)  # the in-flight group is dropped (interrupted) and regenerated first
         assert resumed.finished_since_batch == 1
@@ -228,7 +242,7 @@ def test_bounded_filter_groups_never_waits_past_its_budget_and_a_resume_keeps_th
             assert g.next_groups(0, timeout_s=5) == []  # the budget is spent: an empty batch, no wait
             g.on_step(0, updates=0)  # the loop: nothing trained, the controller takes the updates back
             assert g.finished_since_batch == 0 and g.ctl.state_dict()["version"] == 0
-        unlimited = AsyncGenerator(maker(tok, pool), PromptStream(ROWS, 0), SampleLedger(), controller(), 2,
+        unlimited = AsyncGenerator(maker(tok, pool), PromptStream(tasks(tok), 0), SampleLedger(), controller(), 2,
                                    max_gen_batches=0)
         for group in unlimited._admit()[:2]:
             uniform(unlimited, group)
@@ -266,10 +280,10 @@ def test_a_server_restarted_while_the_loop_waits_is_resynced_by_the_wait(tok, tm
     from m2po_megatron.run.state import CheckpointManager
 
     monkeypatch.setattr(train, "RESTART_POLL_S", 0.05)
-    with RewardPool(num_workers=1, timeout_s=20.0) as pool:
+    with math_rewards() as pool:
         cfg = load_config(None, ["staleness.mode=bounded", "cluster.timeout_s=30"], check_files=False)
         ledger = SampleLedger()
-        gen = AsyncGenerator(maker(tok, pool), PromptStream(ROWS, 0), ledger, controller(), 2)
+        gen = AsyncGenerator(maker(tok, pool), PromptStream(tasks(tok), 0), ledger, controller(), 2)
         server = RestartedServer(gen, tok)
         weights = WeightUpdater(cfg, server, server, [])
         weights.attach(gen)

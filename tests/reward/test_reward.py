@@ -4,7 +4,14 @@ import threading
 
 import pytest
 
-from m2po_megatron.reward import RewardPool, judge, last_boxed, math_verify_reward
+from m2po_megatron.reward import RewardInput, RewardPool, judge, last_boxed, math_verify_reward
+from m2po_megatron.reward.pool import MATH_VERIFY
+
+MATH = MATH_VERIFY[0]
+
+
+def items(responses, answers):
+    return [RewardInput(r, [], {"answer": a}) for r, a in zip(responses, answers)]
 
 FS = 0.1  # a distinctive format score so "wrong but extracted" is told apart from "no answer"
 
@@ -110,12 +117,12 @@ def test_judge_off_main_thread_does_not_raise():
 def test_pool_matches_serial_and_counts():
     responses = [r for r, _, _ in TABLE]
     answers = [a for _, a, _ in TABLE]
-    with RewardPool(num_workers=2, timeout_s=20.0, format_score=FS) as pool:
-        scores, stats = pool.score(responses, answers)
-    assert scores == [e for _, _, e in TABLE]
+    with RewardPool([(MATH, {"format_score": FS})], num_workers=2, timeout_s=20.0) as pool:
+        outs, stats = pool.score(items(responses, answers))
+    assert [o.score for o in outs] == [e for _, _, e in TABLE]
     assert stats.n == len(TABLE) and stats.timeouts == 0 and stats.errors == 0
-    assert stats.correct == sum(e == 1.0 for _, _, e in TABLE)
-    assert stats.no_answer == sum(e == 0.0 for _, _, e in TABLE)
+    assert sum(o.extras["acc"] for o in outs) == sum(e == 1.0 for _, _, e in TABLE)
+    assert sum(o.extras["no_answer"] for o in outs) == sum(e == 0.0 for _, _, e in TABLE)
 
 
 @pytest.mark.timeout(120)
@@ -123,13 +130,13 @@ def test_pool_kills_adversarial_item_and_keeps_working():
     # 9^(9^(9^9)) as an exact integer: sympy would compute for far longer than any test; no Python signal
     # can interrupt it, so the pool must kill the worker.
     bomb = r"\boxed{9^{9^{9^{9}}}}"
-    with RewardPool(num_workers=2, timeout_s=2.0, format_score=FS) as pool:
-        scores, stats = pool.score([bomb, r"\boxed{3}", r"\boxed{4}"], ["5", "3", "3"])
-        assert scores == [0.0, 1.0, FS]
+    with RewardPool([(MATH, {"format_score": FS})], num_workers=2, timeout_s=2.0) as pool:
+        outs, stats = pool.score(items([bomb, r"\boxed{3}", r"\boxed{4}"], ["5", "3", "3"]))
+        assert [o.score for o in outs] == [None, 1.0, FS] and outs[0].status == "timeout"
         assert stats.timeouts == 1 and stats.worker_restarts == 1
         # the replaced worker serves the next batch
-        scores, stats = pool.score([r"\boxed{2}"] * 4, ["2"] * 4)
-        assert scores == [1.0] * 4 and stats.timeouts == 0
+        outs, stats = pool.score(items([r"\boxed{2}"] * 4, ["2"] * 4))
+        assert [o.score for o in outs] == [1.0] * 4 and stats.timeouts == 0
         assert pool.total.timeouts == 1 and pool.total.n == 7
         procs = [w.proc for w in pool._workers]
     assert all(p.poll() is not None for p in procs)  # close() leaves no worker behind
