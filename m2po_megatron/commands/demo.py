@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from m2po_megatron.demo.autobuild import DEMO_TARGET_ACCURACY  # one value for `m2po demo` and `m2po train`
+
 
 def register(sub) -> None:
     p = sub.add_parser("demo", help="run the embedded default (tiny model, CPU) end to end",
@@ -16,12 +18,6 @@ def register(sub) -> None:
     p.add_argument("--task-dir", default=".cache/tiny-task", help="where the tiny task is built (reused)")
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny task")
     p.set_defaults(func=run)
-
-
-# The demo's task is warmed up to 40 % sampled accuracy: from 25 % (the builder's default, which the tests use)
-# RL on this task learns too slowly for a 50-step demo to show it (docs/reproduce.md, "How the settings were
-# chosen").
-DEMO_TARGET_ACCURACY = 0.4
 
 
 def task_is_current(task_dir: Path, seed: int, target_accuracy: float = DEMO_TARGET_ACCURACY) -> bool:

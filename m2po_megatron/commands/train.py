@@ -23,9 +23,24 @@ def run(args) -> int:
 
     overrides = list(args.overrides) + ([f"run.resume={args.resume}"] if args.resume else [])
     overrides += ["run.overwrite=true"] if args.overwrite else []
+    _build_missing_tiny_task(args.recipe, overrides)
     cfg = load_config(args.recipe, overrides)  # every recipe error surfaces here, before Ray starts
     from m2po_megatron.train import train
 
     rdir = train(cfg)
     print(f"[m2po] run directory: {rdir}")
     return 0
+
+
+def _build_missing_tiny_task(recipe: str, overrides: list[str]) -> None:
+    """A fresh clone has no .cache/: build the project's own tiny task that the recipe trains, if missing
+    (m2po_megatron/demo/autobuild.py), so that validation finds it. A recipe that does not load is left to the
+    validation that follows, which reports it."""
+    from m2po_megatron.config import ConfigError, load_config
+    from m2po_megatron.demo.autobuild import build_missing_tiny_task
+
+    try:
+        hf_path = load_config(recipe, overrides, check_files=False).model.hf_path
+    except ConfigError:
+        return
+    build_missing_tiny_task(hf_path)

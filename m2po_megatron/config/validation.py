@@ -299,7 +299,7 @@ def _missing_file_hint(cfg: DictConfig, path: str, value: str, what: str) -> str
     """How to get a missing model or data file: the tiny task is built by `m2po demo`; paper recipes find
     weights and data through M2PO_MODELS_DIR / M2PO_DATA_DIR."""
     raw = _raw(cfg, path)
-    if "tiny-task" in value:
+    if "tiny-task" in value or "tiny-agent-task" in value:
         return _tiny_task_hint(value)
     for env, how in (("M2PO_MODELS_DIR", "the directory holding the HF weights"),
                      ("M2PO_DATA_DIR", "DIR where `m2po prepare-data ... --out DIR/deepscaler` wrote")):
@@ -317,13 +317,15 @@ _TINY_TASK_BUILDERS = {
     ".cache/tiny-task-fair": "`make toy-table1-fair` (its first line builds it: see the Makefile)",
     ".cache/tiny-task-moe": "`make demo-moe` (or `python tools/build_tiny_model.py .cache/tiny-task-moe --seed 0 "
                             "--target-accuracy 0.4 --moe`)",
+    ".cache/tiny-agent-task": "`make demo-agent` (or `python tools/build_tiny_model.py .cache/tiny-agent-task --seed 0 "
+                              "--agent`)",
 }
 
 
 def _tiny_task_hint(value: str) -> str:
     """Name the missing tiny-task directory of `value` and the command that builds it."""
     parts = Path(os.path.expanduser(value)).parts
-    i = next(k for k, p in enumerate(parts) if "tiny-task" in p)
+    i = next(k for k, p in enumerate(parts) if "tiny-task" in p or "tiny-agent-task" in p)
     task_dir = str(Path(*parts[:i + 1]))
     for known, how in _TINY_TASK_BUILDERS.items():
         if task_dir == known or task_dir.endswith("/" + known):

@@ -52,19 +52,9 @@ def read_records(path: str | Path) -> tuple[list[tuple[int, dict]], ReadReport]:
                     continue
                 out.append((n, rec))
     elif name.endswith((".json", ".json.gz")):
-        with _open_text(p) as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}: not valid JSON at line {e.lineno} ({e.msg}); for one object per line "
-                                 "name the file .jsonl") from e
-        if isinstance(data, dict):
-            lists = [v for v in data.values() if isinstance(v, list)]
-            if len(lists) != 1:
-                raise ValueError(f"{p}: a JSON object must hold exactly one list of records")
-            data = lists[0]
-        if not isinstance(data, list):
-            raise ValueError(f"{p}: expected a JSON list of records, got {type(data).__name__}")
+        from .sources import json_rows
+
+        data = json_rows(p)  # a SourceError (a ValueError) names the file and what is wrong
         for n, rec in enumerate(data, 1):
             if isinstance(rec, dict):
                 out.append((n, rec))

@@ -46,7 +46,7 @@ def read_source(path: str, split: Optional[str] = None, split_key: str = "data.t
     if name.endswith((".jsonl", ".jsonl.gz")):
         return Source(str(path), _jsonl(p), "line")
     if name.endswith((".json", ".json.gz")):
-        return Source(str(path), _numbered(_json(p)), "row")
+        return Source(str(path), _numbered(json_rows(p)), "row")
     if name.endswith(".parquet"):
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -89,7 +89,8 @@ def _jsonl(p: Path) -> list[tuple[int, Any]]:
     return out
 
 
-def _json(p: Path) -> list:
+def json_rows(p: Path) -> list:
+    """The list of rows a .json file holds: a JSON list, or an object holding exactly one list."""
     try:
         with _open_text(p) as f:
             data = json.load(f)

@@ -70,7 +70,8 @@ def test_the_run_feeds_training_and_evaluation_the_same_prompt(tmp_path, tok):
     cfg = load_config("tiny-cpu", [f"data.train_path={tmp_path / 'train.jsonl'}",
                                    f"data.eval_paths=[{tmp_path / 'eval.jsonl'}]",
                                    "data.prompt_template=m2po", "data.apply_chat_template=true",
-                                   "data.max_prompt_len=1024"],
+                                   "data.max_prompt_len=1024",
+                                   f"model.hf_path={tmp_path / 'no-model'}"],  # a built .cache/tiny-task's context is 128
                       check_files=False)
     prompts, eval_sets = load_data(cfg, tok)
     expected = {chat(tok, M2PO_TEMPLATE.format(problem=r["problem"])) for r in ROWS}
