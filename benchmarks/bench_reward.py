@@ -41,20 +41,22 @@ def make_items(n: int):
 
 
 def bench_reward(n: int, timeout_s: float) -> list[dict]:
-    from m2po_megatron.reward import RewardPool, judge
+    from m2po_megatron.reward import RewardInput, RewardPool, judge
 
     responses, answers = make_items(n)
+    items = [RewardInput(r, [], {"answer": a}) for r, a in zip(responses, answers)]
     judge(responses[0], answers[0])  # imports out of the timing
     t = time.perf_counter()
     serial = [judge(r, a).score for r, a in zip(responses, answers)]
     base = n / (time.perf_counter() - t)
     rows = [{"mode": "serial loop", "items_per_s": round(base, 1), "speedup": 1.0, "timeouts": 0}]
     for w in (1, 2, 4):
-        with RewardPool(w, timeout_s, 0.0) as pool:
-            pool.score(responses[:w * 2], answers[:w * 2])  # workers ready
+        with RewardPool(num_workers=w, timeout_s=timeout_s) as pool:
+            pool.score(items[:w * 2])  # workers ready
             t = time.perf_counter()
-            scores, st = pool.score(responses, answers)
+            outs, st = pool.score(items)
             rate = n / (time.perf_counter() - t)
+        scores = [o.score if o.score is not None else 0.0 for o in outs]
         if scores != serial and st.timeouts == 0:
             raise SystemExit(f"pool with {w} workers disagrees with the serial loop")
         rows.append({"mode": f"RewardPool({w})", "items_per_s": round(rate, 1), "speedup": round(rate / base, 2),
@@ -66,9 +68,10 @@ def bench_eval(model_dir: str | None, problems: int, n: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from m2po_megatron.data.records import load_rows
+    from m2po_megatron.data.rows import RowOptions, load_task_rows
     from m2po_megatron.eval import EvalSet, evaluate, hf_generate_fn
-    from m2po_megatron.reward import RewardPool
+    from m2po_megatron.reward import Rewards
+    from m2po_megatron.reward.functions import terms_of
 
     torch.set_num_threads(1)
     if model_dir is None:
@@ -77,15 +80,18 @@ def bench_eval(model_dir: str | None, problems: int, n: int) -> dict:
         model_dir = build_tiny_task(tempfile.mkdtemp(prefix="tiny-bench-"), seed=0, log=lambda s: None).model_dir
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    rows = load_rows(os.path.join(model_dir, "eval.jsonl"))[:problems]
+    rows = load_task_rows(os.path.join(model_dir, "eval.jsonl"), RowOptions(apply_chat_template=False), tok)[:problems]
     gen = hf_generate_fn(model, tok.pad_token_id, tok.eos_token_id, seed=0)
     out = {}
-    for label, pool in (("serial reward", None), ("RewardPool(2)", RewardPool(2, 10.0))):
+    for label, pool in (("serial reward", None), ("RewardPool(2)", Rewards(terms_of({}), num_workers=2,
+                                                                             timeout_s=10.0))):
         if pool is not None:
-            pool.score(["\\boxed{1}"] * 2, ["1"] * 2)
+            from m2po_megatron.reward import RewardInput
+
+            pool.score([RewardInput("\\boxed{1}", [], {"answer": "1"})] * 2)
         t = time.perf_counter()
         res = evaluate(gen, tok, [EvalSet("sums", rows, n)], temperature=1.0, top_p=1.0, max_new_tokens=32,
-                       reward_pool=pool)
+                       rewards=pool)
         dt = time.perf_counter() - t
         if pool is not None:
             pool.close()

@@ -27,6 +27,17 @@ def m2po(*args: str, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env, cwd=REPO)
 
 
+def m2po_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`m2po ARGS` in this process (`cli.main`), for the commands that only read run directories (status,
+    report) or refuse before anything starts: a subprocess would only add its imports."""
+    from m2po_megatron.cli import main
+
+    capsys.readouterr()
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), rc, out.out, out.err)
+
+
 def ok(p: subprocess.CompletedProcess) -> str:
     assert p.returncode == 0, f"exit {p.returncode}\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-4000:]}"
     return p.stdout
@@ -106,19 +117,19 @@ def test_a_second_start_skips_finished_runs_and_resumes_an_interrupted_one(swept
 
 
 @pytest.mark.timeout(3 * TIMEOUT)
-def test_status_cli_for_a_local_sweep(swept):
+def test_status_cli_for_a_local_sweep(swept, capsys):
     path, out, _ = swept
-    text = ok(m2po("sweep", str(path), "--status"))
+    text = ok(m2po_here(capsys, "sweep", str(path), "--status"))
     lines = {ln.split()[0]: ln for ln in text.splitlines() if ln.strip()}
     assert "COMPLETED" in lines["t-grpo"] and "step 2/2" in lines["t-grpo"] and "local" in lines["t-grpo"]
-    rows = json.loads(ok(m2po("sweep", "status", str(out), "--json")))
+    rows = json.loads(ok(m2po_here(capsys, "sweep", "status", str(out), "--json")))
     assert {r["run"]: r["state"] for r in rows} == {"t-grpo": "COMPLETED", "t-m2po": "COMPLETED"}
 
 
 @pytest.mark.timeout(3 * TIMEOUT)
-def test_report_reads_the_real_run_directories(swept, tmp_path):
+def test_report_reads_the_real_run_directories(swept, tmp_path, capsys):
     _, out, _ = swept
-    text = ok(m2po("report", str(out), "--out", str(tmp_path / "r")))
+    text = ok(m2po_here(capsys, "report", str(out), "--out", str(tmp_path / "r")))
     assert "| GRPO | 0 |" in text and "| M2PO | 2 |" in text  # staleness: lag 1 x 2 updates per step
     csv_lines = (tmp_path / "r" / "report.csv").read_text().splitlines()
     assert csv_lines[0].startswith("model,method,staleness,variant,eval,benchmark,mean,std,n")
@@ -130,14 +141,14 @@ def test_report_reads_the_real_run_directories(swept, tmp_path):
         assert (tmp_path / "r" / png).stat().st_size > 10_000
 
 
-def test_parallel_runs_on_fixed_ports_are_refused_before_anything_starts(tiny_task, tmp_path):
+def test_parallel_runs_on_fixed_ports_are_refused_before_anything_starts(tiny_task, tmp_path, capsys):
     spec = {"name": "p", "output_dir": str(tmp_path / "o"), "recipe": "tiny-cpu",
             "overrides": [f"model.hf_path={tiny_task}", f"data.train_path={tiny_task / 'train.jsonl'}",
                           "data.eval_paths=[]", "rollout.port=30000"],
             "grid": {"m": {"a": ["algo.name=grpo"], "b": ["algo.name=m2po"]}}}
     path = tmp_path / "p.yaml"
     path.write_text(json.dumps(spec))
-    p = m2po("sweep", str(path), "--local", "-j", "2", timeout=300)
+    p = m2po_here(capsys, "sweep", str(path), "--local", "-j", "2")
     assert p.returncode == 2 and "rollout.port=0" in p.stderr, p.stderr
     assert not (tmp_path / "o").exists()
     dry = m2po("sweep", str(path), "--local", "--dry-run", timeout=300)
@@ -146,7 +157,7 @@ def test_parallel_runs_on_fixed_ports_are_refused_before_anything_starts(tiny_ta
 
 
 @pytest.mark.timeout(3 * TIMEOUT)
-def test_archived_runs_count_as_finished_without_their_checkpoints(swept, tmp_path):
+def test_archived_runs_count_as_finished_without_their_checkpoints(swept, tmp_path, capsys):
     """What a results directory in git holds (tools/archive_runs.py and its .gitignore): config.yaml,
     metrics.jsonl.gz and the job-state record; a sweep started on another machine skips those runs, and the
     report reads them."""
@@ -178,5 +189,5 @@ def test_archived_runs_count_as_finished_without_their_checkpoints(swept, tmp_pa
     moved.write_text(json.dumps(spec))
     again = ok(m2po("sweep", str(moved), "--local"))
     assert "skip t-grpo: finished" in again and "skip t-m2po: finished" in again and "0 of 2 runs to do" in again
-    text = ok(m2po("report", str(tmp_path / "kept"), "--out", str(tmp_path / "r"), "--no-plots"))
+    text = ok(m2po_here(capsys, "report", str(tmp_path / "kept"), "--out", str(tmp_path / "r"), "--no-plots"))
     assert "| GRPO | 0 |" in text and "| M2PO | 2 |" in text

@@ -1,12 +1,27 @@
 """A restart in a used run directory, a truncated checkpoint file, a malformed data file, a port that
 another server holds: each is found before anything is written or Ray starts (exit 2, the field or file and
 the fix named), or, for a damaged checkpoint, the run resumes from the latest intact one."""
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from harness import (RUN_TIMEOUT, Driver, assert_accounting, assert_nothing_left, assert_steps_once, checkpoints,
-                     m2po, rollout_port, small, step_rows)
+                     rollout_port, small, step_rows)
+
+
+def m2po_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`m2po ARGS` in this process (`cli.main`), for a start that ends before Ray: a refusal (exit 2) or a
+    finished run's "nothing to do". Saves a subprocess's imports; checks that Ray was never started."""
+    import ray
+
+    from m2po_megatron.cli import main
+
+    capsys.readouterr()
+    rc = main(list(args))
+    out = capsys.readouterr()
+    assert not ray.is_initialized(), "Ray was started"
+    return subprocess.CompletedProcess(list(args), rc, out.out, out.err)
 
 
 def tree(root: Path) -> dict:
@@ -23,7 +38,8 @@ def refused(p, *needles):
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
-def test_used_run_dir_is_refused_and_a_truncated_checkpoint_is_skipped(tiny_task, tmp_path, short_tmp, drivers):
+def test_used_run_dir_is_refused_and_a_truncated_checkpoint_is_skipped(tiny_task, tmp_path, short_tmp, drivers,
+                                                                        capsys):
     run = tmp_path / "u"
     args = small(tiny_task, tmp_path, "u", "staleness.mode=bounded", "staleness.max_staleness=2", "train.steps=3")
     d = Driver(["tiny-cpu", *args], tmp_path / "first.log", short_tmp)
@@ -33,11 +49,11 @@ def test_used_run_dir_is_refused_and_a_truncated_checkpoint_is_skipped(tiny_task
     before = tree(run)
 
     # a new run in the same directory: refused before anything is written, naming both ways forward
-    refused(m2po("train", "tiny-cpu", *args), "holds another run", "--resume auto", "--overwrite")
+    refused(m2po_here(capsys, "train", "tiny-cpu", *args), "holds another run", "--resume auto", "--overwrite")
     # a start that fails on a bad data file leaves the old run as it was, even with --overwrite
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer"\n')
-    refused(m2po("train", "tiny-cpu", *args, f"data.train_path={bad}", "--overwrite"), f"{bad}:2", "not valid JSON")
+    refused(m2po_here(capsys, "train", "tiny-cpu", *args, f"data.train_path={bad}", "--overwrite"), f"{bad}:2", "not valid JSON")
     assert tree(run) == before
 
     # truncate the newest checkpoint's largest file: an explicit resume from it is refused naming the file;
@@ -46,7 +62,7 @@ def test_used_run_dir_is_refused_and_a_truncated_checkpoint_is_skipped(tiny_task
     victim = max((p for p in step3.rglob("*") if p.is_file() and p.name != "COMPLETE"), key=lambda p: p.stat().st_size)
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size // 2)
-    refused(m2po("train", "tiny-cpu", *args, "--resume", str(step3), "train.steps=4"), str(victim), "bytes")
+    refused(m2po_here(capsys, "train", "tiny-cpu", *args, "--resume", str(step3), "train.steps=4"), str(victim), "bytes")
     d = Driver(["tiny-cpu", *args, "--resume", "auto", "train.steps=4"], tmp_path / "resume.log", short_tmp)
     drivers.append(d)
     assert d.finish() == 0, d.output()[-5000:]
@@ -58,7 +74,7 @@ def test_used_run_dir_is_refused_and_a_truncated_checkpoint_is_skipped(tiny_task
 
     # a finished run resumed again: nothing to do, nothing started or changed
     before = tree(run)
-    p = m2po("train", "tiny-cpu", *args, "--resume", "auto", "train.steps=4")
+    p = m2po_here(capsys, "train", "tiny-cpu", *args, "--resume", "auto", "train.steps=4")
     assert p.returncode == 0 and "is complete at step 4 (train.steps = 4); nothing to do" in p.stdout, p.stdout + p.stderr
     assert tree(run) == before
 
@@ -100,7 +116,8 @@ def test_a_malformed_data_file_fails_before_ray_naming_file_and_line(tiny_task, 
     assert not ray.is_initialized()
 
 
-def test_a_fixed_port_held_by_another_server_is_refused_and_a_foreign_server_is_never_used(tiny_task, tmp_path):
+def test_a_fixed_port_held_by_another_server_is_refused_and_a_foreign_server_is_never_used(tiny_task, tmp_path,
+                                                                                          capsys):
     from m2po_megatron.rollout.launcher import ForeignServerError, ServerProcess, ServerSpec, check_identity, wait_healthy
 
     other = ServerProcess(ServerSpec(model_path=str(tiny_task), served_model_name="m2po-other-run"),
@@ -109,7 +126,7 @@ def test_a_fixed_port_held_by_another_server_is_refused_and_a_foreign_server_is_
         url = other.start()
         port = other.spec.port
         # a run given that port explicitly stops before Ray starts
-        p = m2po("train", "tiny-cpu", *small(tiny_task, tmp_path, "p", f"rollout.port={port}"))
+        p = m2po_here(capsys, "train", "tiny-cpu", *small(tiny_task, tmp_path, "p", f"rollout.port={port}"))
         refused(p, f"port {port}", "rollout.port=0")
         # a server that answers at a URL but carries another run's identity is never taken for ours
         with pytest.raises(ForeignServerError, match="m2po-other-run"):
