@@ -126,8 +126,8 @@ class RolloutRunner:
                  timeout_s: Optional[float], score: Callable[..., float], routed_experts: bool = False,
                  vocab_size: Optional[int] = None, max_tokens: Optional[int] = None, tool_parser=None,
                  args: Optional[dict] = None, fail_limit: int = 0, max_context: int = 0, evaluation: bool = False):
-        """score(text, row, token_ids=None): the recipe's reward (blocking; run in a thread). fail_limit: samples (a first
-        step's worth) after which a run with no usable episode yet stops (0: never)."""
+        """score(text, row, token_ids=None): the recipe's reward (blocking; run in a thread). fail_limit:
+        samples (a first step's worth) after which a run with no usable episode yet stops (0: never)."""
         self.fn, self.name, self.tok, self.sampling, self.n = fn, name, tokenizer, sampling, n
         self.timeout_s, self.score, self.routed = timeout_s, score, routed_experts
         self.vocab_size, self.max_tokens, self.tool_parser = vocab_size, max_tokens, tool_parser
@@ -145,6 +145,7 @@ class RolloutRunner:
     def context(self, client, row: dict, prompt_ids: list[int], seed: int, group_id: str, n: int) -> tuple:
         gc = GroupClient(client, self.routed)
         log = EpisodeLog()
+
         async def reward(text: str, token_ids: Optional[list[int]] = None) -> float:
             call = functools.partial(self.score, text, dict(row), token_ids)
             return float(await asyncio.get_running_loop().run_in_executor(None, call))

@@ -182,7 +182,7 @@ class GroupMaker:
             self.filter_counts.update(counts)
 
     def stats(self, since: float) -> GenStats:
-        rewards = self.rewards.stats()
+        rewards = self.rewards.stats() if self.rewards is not None else {}
         with self.reward_lock:
             counts, self.filter_counts = self.filter_counts, Counter()
             mismatch, self.mismatch = self.mismatch, {}
