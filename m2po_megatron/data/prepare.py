@@ -3,7 +3,7 @@
 ``prompt`` is the final text given to the tokenizer: the prompt template applied to the problem and, when a
 tokenizer is given, its chat template (a single user turn with the generation prompt, as verl does for
 M2PO). Encode it with :func:`encode_prompt` (no extra special tokens). ``problem`` is kept alongside, so a
-run's ``data.prompt_template`` can re-render the prompt (:func:`final_prompts`); rows prepared with a chat
+run's ``data.prompt_template`` can re-render the prompt (data/rows.py); rows prepared with a chat
 template carry ``chat_template: true`` so that the loop never wraps them twice.
 """
 
@@ -63,37 +63,6 @@ def chat_prefix(tokenizer) -> str:
     text = tokenizer.apply_chat_template([{"role": "user", "content": sentinel}], tokenize=False,
                                          add_generation_prompt=True)
     return text.split(sentinel, 1)[0] if sentinel in text else ""
-
-
-def final_prompts(rows: list[dict], *, template: str | None, tokenizer, apply_chat_template: bool,
-                  source: str) -> list[dict]:
-    """The rows with ``prompt`` set to the exact text the model sees, the same for training and evaluation:
-    ``template`` (data.prompt_template) rendered from each row's ``problem`` when given, else the prepared
-    ``prompt``; then the chat template when ``apply_chat_template`` and the tokenizer has one. A prompt that
-    already carries the chat template (prepared with ``--chat-template``) is an error rather than being
-    wrapped twice. ``source`` names the file in messages."""
-    tmpl = resolve_template(template) if template else None
-    prefix = chat_prefix(tokenizer) if apply_chat_template else ""
-    out = []
-    for i, row in enumerate(rows):
-        if tmpl is not None:
-            if not isinstance(row.get("problem"), str) or not row["problem"].strip():
-                raise ValueError(f"{source}: row {i + 1} ({row.get('id')}) has no 'problem' field, which "
-                                 f"data.prompt_template is rendered from; re-run `m2po prepare-data` (it keeps "
-                                 f"the problem) or set data.prompt_template=null to use the prepared prompts")
-            text = tmpl.format(problem=row["problem"])
-        else:
-            text = row["prompt"]
-        if prefix:
-            if tmpl is None and (row.get("chat_template") or (prefix.strip() and text.startswith(prefix))):
-                raise ValueError(f"{source}: row {i + 1} ({row.get('id')}) already carries the chat template "
-                                 f"(prepared with --chat-template) and data.apply_chat_template = true would "
-                                 f"apply it twice; set data.apply_chat_template=false, or prepare the data "
-                                 f"without --chat-template")
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
-        out.append({**row, "prompt": text})
-    return out
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:

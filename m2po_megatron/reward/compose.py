@@ -6,6 +6,7 @@ are scored in batches by this process. Every sample gets a `Scored`: a score, or
 and the recipe drops such samples (the ledger's `reward_error`)."""
 from __future__ import annotations
 
+import sys
 import threading
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ class Rewards:
         self.remote = {id(t): _remote(t.args) for t in terms if t.remote}
         self.needs_prompt = bool(self.remote)  # a reward model or judge reads the prompt; functions get the row
         self.lock = threading.Lock()  # stats are written by the generation thread and read by the loop's
+        self.warned: set[tuple[str, str]] = set()
         self._reset()
 
     def _reset(self) -> None:
@@ -119,10 +121,15 @@ class Rewards:
                     if s.score is None:
                         self.counts["dropped"] += 1
             if pool_stats is not None:
-                for k in ("timeouts", "errors", "bad_values", "worker_restarts"):
-                    self.counts[k] += getattr(pool_stats, k)
-                self.sums["seconds"] += pool_stats.seconds  # the pool's wall time (reward/seconds)
-                self.ns["seconds"] = 1
+                for k in ("timeouts", "errors", "bad_values", "worker_restarts", "seconds"):
+                    self.counts[k] += getattr(pool_stats, k)  # seconds: the pool's wall time
+            for t, outs in zip(self.terms, per_term):
+                for o in outs:  # say why a term fails, once per term and kind (the counters say how often)
+                    if o.score is None and (t.name, o.status) not in self.warned:
+                        self.warned.add((t.name, o.status))
+                        print(f"[m2po] reward term {t.name} ({t.spec}) failed: {o.status}: {o.detail or 'no detail'}"
+                              f" (counted as reward/failed/{o.status}; reward.on_error = {self.on_error}; said once "
+                              f"per term and kind)", file=sys.stderr, flush=True)
 
     def stats(self) -> dict[str, float]:
         """reward/* since the previous call: counters (n, failed, dropped, timeouts, errors, bad_values,

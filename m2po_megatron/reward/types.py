@@ -43,7 +43,7 @@ class RewardOutput:
     score: Optional[float]
     extras: dict[str, float] = field(default_factory=dict)
     status: str = "ok"
-    detail: str = ""  # a failure's message (logged once per kind, never with the row)
+    detail: str = ""  # a failure's message (printed once per term and kind by compose.Rewards, never with the row)
 
 
 class RewardValueError(ValueError):
@@ -58,12 +58,14 @@ def normalize(value: Any) -> tuple[float, dict[str, float]]:
     """(score, extras) of a reward function's return value; RewardValueError names what is wrong."""
     if _finite(value):
         return float(value), {}
+    if isinstance(value, float):
+        raise RewardValueError(f"returned {value}, not a finite number")
     if isinstance(value, bool):  # a bool is an int to Python; a reward of True is almost surely a mistake
         raise RewardValueError(f"returned a bool ({value}); return a float (e.g. float(ok)) or a dict")
     if isinstance(value, dict):
         if "score" not in value:
             raise RewardValueError(f"returned a dict without 'score' (keys: {sorted(value)[:8]})")
-        if not _finite(value["score"]) and not isinstance(value["score"], bool):
+        if not _finite(value["score"]):  # a bool score is refused as a bare bool is
             raise RewardValueError(f"returned score = {value['score']!r}, not a finite number")
         extras = {}
         for k, v in value.items():

@@ -8,7 +8,8 @@ import pytest
 
 from m2po_megatron.config import ConfigError, load_config
 from m2po_megatron.run.inputs import load_data
-from m2po_megatron.data.prepare import M2PO_TEMPLATE, final_prompts, prepare_rows
+from m2po_megatron.data.prepare import M2PO_TEMPLATE, prepare_rows
+from m2po_megatron.data.rows import RowOptions, load_task_rows
 from m2po_megatron.demo.tiny_tokenizer import build_tiny_tokenizer
 
 ROWS = [{"id": "a/0", "prompt": "What is 1+1?", "answer": "2", "problem": "What is 1+1?"},
@@ -24,37 +25,43 @@ def chat(tok, text):
     return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
 
 
-def test_the_template_is_rendered_from_the_problem_then_wrapped_once(tok):
-    out = final_prompts(ROWS, template="Q: {problem} A:", tokenizer=tok, apply_chat_template=True, source="x")
-    assert [r["prompt"] for r in out] == [chat(tok, "Q: What is 1+1? A:"), chat(tok, "Q: What is 2+3? A:")]
-    assert out[0]["prompt"].count("<|user|>") == 1
-    plain = final_prompts(ROWS, template="m2po", tokenizer=tok, apply_chat_template=False, source="x")
-    assert plain[1]["prompt"] == M2PO_TEMPLATE.format(problem="What is 2+3?")
-    as_is = final_prompts(ROWS, template=None, tokenizer=tok, apply_chat_template=False, source="x")
-    assert [r["prompt"] for r in as_is] == ["What is 1+1?", "What is 2+3?"]
+def prompts(tmp_path, tok, rows, name="train.jsonl", **opts) -> list[str]:
+    """The prompts a run renders from `rows` (the live path: data.rows.load_task_rows on a file)."""
+    f = tmp_path / name
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [t.prompt for t in load_task_rows(str(f), RowOptions(**opts), tok)]
 
 
-def test_prompts_prepared_with_a_chat_template_are_not_wrapped_twice(tok):
+def test_the_template_is_rendered_from_the_problem_then_wrapped_once(tmp_path, tok):
+    out = prompts(tmp_path, tok, ROWS, prompt_template="Q: {problem} A:", apply_chat_template=True)
+    assert out == [chat(tok, "Q: What is 1+1? A:"), chat(tok, "Q: What is 2+3? A:")]
+    assert out[0].count("<|user|>") == 1
+    plain = prompts(tmp_path, tok, ROWS, prompt_template="m2po", apply_chat_template=False)
+    assert plain[1] == M2PO_TEMPLATE.format(problem="What is 2+3?")
+    as_is = prompts(tmp_path, tok, ROWS, apply_chat_template=False)
+    assert as_is == ["What is 1+1?", "What is 2+3?"]
+
+
+def test_prompts_prepared_with_a_chat_template_are_not_wrapped_twice(tmp_path, tok):
     rows, _ = prepare_rows([(1, {"problem": "What is 1+1?", "answer": "2"})], "s", template="plain",
                            tokenizer=tok, seed=None)
     assert rows[0]["chat_template"] is True and rows[0]["prompt"] == chat(tok, "What is 1+1?")
     with pytest.raises(ValueError, match="already carries the chat template.*apply_chat_template=false"):
-        final_prompts(rows, template=None, tokenizer=tok, apply_chat_template=True, source="train.jsonl")
+        prompts(tmp_path, tok, rows, apply_chat_template=True)
     # Without the marker (an older file, or the tiny task's own rows) the chat prefix gives it away.
     unmarked = [{k: v for k, v in rows[0].items() if k != "chat_template"}]
-    with pytest.raises(ValueError, match="train.jsonl: row 1"):
-        final_prompts(unmarked, template=None, tokenizer=tok, apply_chat_template=True, source="train.jsonl")
+    with pytest.raises(ValueError, match="train.jsonl:1"):
+        prompts(tmp_path, tok, unmarked, apply_chat_template=True)
     # Either fix works: no second wrap, or a template re-rendered from the problem (wrapped once).
-    assert final_prompts(rows, template=None, tokenizer=tok, apply_chat_template=False,
-                         source="x")[0]["prompt"] == chat(tok, "What is 1+1?")
-    again = final_prompts(rows, template="plain", tokenizer=tok, apply_chat_template=True, source="x")
-    assert again[0]["prompt"] == chat(tok, "What is 1+1?")
+    assert prompts(tmp_path, tok, rows, apply_chat_template=False) == [chat(tok, "What is 1+1?")]
+    again = prompts(tmp_path, tok, rows, prompt_template="plain", apply_chat_template=True)
+    assert again == [chat(tok, "What is 1+1?")]
 
 
-def test_a_template_needs_the_problem_field(tok):
-    with pytest.raises(ValueError, match="row 1 .* no 'problem' field.*prompt_template=null"):
-        final_prompts([{"id": "q", "prompt": "p", "answer": "1"}], template="plain", tokenizer=tok,
-                      apply_chat_template=False, source="d.jsonl")
+def test_a_template_needs_the_problem_field(tmp_path, tok):
+    with pytest.raises(ValueError, match="d.jsonl:1.*problem.*prompt_template"):
+        prompts(tmp_path, tok, [{"id": "q", "prompt": "p", "answer": "1"}], name="d.jsonl", prompt_template="plain",
+                apply_chat_template=False)
 
 
 def test_a_bad_template_fails_config_validation():

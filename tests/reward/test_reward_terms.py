@@ -43,7 +43,7 @@ def test_sync_and_async_functions_by_path_with_extras_and_weights():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("on_error", ["score", "drop"])
-def test_failures_are_counted_and_scored_or_dropped(on_error):
+def test_failures_are_counted_and_scored_or_dropped(on_error, capsys):
     terms = terms_of({"terms": [{"function": f"{PLUGINS}:raises"}, {"function": f"{PLUGINS}:returns_nan"},
                                 {"function": f"{PLUGINS}:returns_bool"},
                                 {"function": f"{PLUGINS}:returns_dict_without_score"},
@@ -58,6 +58,10 @@ def test_failures_are_counted_and_scored_or_dropped(on_error):
         stats = r.stats()
         assert stats["reward/errors"] == 1 and stats["reward/bad_values"] == 3 and stats["reward/failed"] == 1
         assert stats.get("reward/dropped", 0) == (1 if on_error == "drop" else 0)
+        r.score([item("x", 4)])  # the same failures again: counted, not said again
+        err = capsys.readouterr().err
+        assert err.count("reward term raises") == 1 and "KeyError" in err and "no such column" in err
+        assert err.count("reward term returns_nan") == 1 and "not a finite number" in err
 
 
 @pytest.mark.timeout(120)
