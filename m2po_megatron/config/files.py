@@ -9,6 +9,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from m2po_megatron.config.paths import project_relative
+
 
 def raw_value(cfg: DictConfig, path: str) -> str:
     """The value of `path` (dotted, list items as [i]) as written in the recipe, interpolations unresolved."""
@@ -25,12 +27,25 @@ def missing_file_hint(cfg: DictConfig, path: str, value: str, what: str) -> str:
     raw = raw_value(cfg, path)
     if "tiny-task" in value or "tiny-agent-task" in value:
         return tiny_task_hint(value)
+    fetch = download_hint(cfg) if path == "model.hf_path" else ""
     for env, how in (("M2PO_MODELS_DIR", "the directory holding the HF weights"),
                      ("M2PO_DATA_DIR", "DIR where `m2po prepare-data ... --out DIR/deepscaler` wrote")):
         if env in raw:
-            return (f"set {env} to {how} (now {os.environ.get(env, 'unset')}; the recipe reads {raw}), or "
+            return (f"{fetch}set {env} to {how} (now {os.environ.get(env, 'unset')}; the recipe reads {raw}), or "
                     f"validate the recipe without files: `m2po config RECIPE --no-check-files`")
-    return f"give an existing {what}, or validate without files: `m2po config RECIPE --no-check-files`"
+    return f"{fetch}give an existing {what}, or validate without files: `m2po config RECIPE --no-check-files`"
+
+
+def download_hint(cfg: DictConfig) -> str:
+    """'fetch the weights with `m2po download RECIPE` (...), or ' when the recipe names the weights' hub repo
+    (model.hf_id, or a bundled model.hf_config named ORG__NAME), else ''. RECIPE is the one just given."""
+    from m2po_megatron.models.download import hf_id_from_config_path  # torch: only when a file is missing
+
+    hf_id = cfg.model.hf_id or hf_id_from_config_path(cfg.model.hf_config)
+    if not hf_id:
+        return ""
+    where = os.path.abspath(os.path.expanduser(str(cfg.model.hf_path)))
+    return f"fetch the weights with `m2po download RECIPE` (the hub's {hf_id} into {where}, then checked), or "
 
 
 # The tiny-task directories the project's own commands build, and the command that builds each.
@@ -50,10 +65,9 @@ def tiny_task_hint(value: str) -> str:
     """Name the missing tiny-task directory of `value` and the command that builds it."""
     parts = Path(os.path.expanduser(value)).parts
     i = next(k for k, p in enumerate(parts) if "tiny-task" in p or "tiny-agent-task" in p)
-    task_dir = str(Path(*parts[:i + 1]))
-    for known, how in TINY_TASK_BUILDERS.items():
-        if task_dir == known or task_dir.endswith("/" + known):
-            return f"the tiny task {task_dir} is built by {how}; run it once"
+    task_dir = project_relative(Path(*parts[:i + 1]))  # the project's own: named as the commands name it
+    if task_dir in TINY_TASK_BUILDERS:  # another folder's .cache/tiny-task is not where those commands build
+        return f"the tiny task {task_dir} is built by {TINY_TASK_BUILDERS[task_dir]}; run it once"
     return (f"the tiny task {task_dir} is built by `python tools/build_tiny_model.py {task_dir} --seed 0`; "
             "run it once")
 

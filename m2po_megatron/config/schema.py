@@ -26,6 +26,7 @@ class RunSection:
 @dataclass
 class ModelSection:
     hf_path: Optional[str] = None  # HF checkpoint dir (config.json + weights); initial weights
+    hf_id: Optional[str] = None  # Hugging Face hub repo id of hf_path's weights (`m2po download` fetches it)
     hf_config: Optional[str] = None  # dir or config.json used for validation when hf_path is absent
     tokenizer: Optional[str] = None  # defaults to hf_path
     megatron_ckpt: Optional[str] = None  # initial weights from `m2po convert hf-to-megatron`
