@@ -10,8 +10,8 @@ import sys
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "prepare-data",
-        help="convert DeepScaleR-style JSON/JSONL/parquet (path or HF dataset id) and the eval sets to the "
-             "training format (id, prompt, answer, source)",
+        help="convert DeepScaleR-style JSON/JSONL/parquet (path or HF dataset id) and the eval sets (local, or "
+             "fetched with --eval-hub) to the training format (id, prompt, answer, source)",
         description="Writes OUT/train.jsonl (+ .parquet with --parquet), OUT/eval/<name>.jsonl and "
                     "OUT/prepare_report.json. Malformed rows are skipped and reported with line numbers.",
     )
@@ -31,7 +31,11 @@ def register(subparsers) -> None:
     p.add_argument("--max-rows", type=int, help="keep at most this many training rows (after shuffling)")
     p.add_argument("--parquet", action="store_true", help="also write .parquet next to each .jsonl")
     p.add_argument("--eval-dir", help="directory with <name>.jsonl eval sets (default: the shipped ones, "
-                                      "MATH-500 only); e.g. ../shared/data/eval_normalized")
+                                      "MATH-500 only; --eval-hub fetches all 8)")
+    p.add_argument("--eval-hub", action="store_true",
+                   help="fetch the eval sets from where the released M2PO code loads them (HF dataset ids; GaoKao "
+                        "from M2PO's repository, sha256-checked) instead of --eval-dir; needs the network or a "
+                        "filled HF cache (HF_HUB_OFFLINE=1); see docs/data.md")
     p.add_argument("--eval-sets", default=",".join(_eval_names()),
                    help="comma-separated eval set names to prepare ('' for none)")
     p.add_argument("--max-malformed-fraction", type=float, default=0.5,
@@ -79,9 +83,21 @@ def handler(args) -> int:
         print(f"m2po prepare-data: --out {args.out}: cannot write there ({e.strerror or e}); give a writable "
               "directory", file=sys.stderr)
         return 2
+    if args.eval_dir and args.eval_hub:
+        print("m2po prepare-data: --eval-dir and --eval-hub both given; use one source for the eval sets",
+              file=sys.stderr)
+        return 2
+    if args.eval_hub:
+        from m2po_megatron.data.hub import BENCHMARKS
+
+        unknown = [n for n in args.eval_sets.split(",") if n and n not in BENCHMARKS]
+        if unknown:
+            print(f"m2po prepare-data: --eval-hub has no source for {unknown}; known: {', '.join(BENCHMARKS)}; "
+                  "give such sets with --eval-dir in a second call", file=sys.stderr)
+            return 2
     if args.eval_dir and not Path(args.eval_dir).is_dir():
         print(f"m2po prepare-data: --eval-dir {args.eval_dir}: no such directory; give the directory with the "
-              "<name>.jsonl eval sets (e.g. ../shared/data/eval_normalized) or leave it out for the shipped ones",
+              "<name>.jsonl eval sets, or use --eval-hub (all 8 from their sources) or neither (the shipped MATH-500)",
               file=sys.stderr)
         return 2
     summary: dict = {"template": args.template, "chat_template": args.chat_template, "seed": args.seed,
@@ -139,26 +155,39 @@ def handler(args) -> int:
              f"skipped) from {report.rows_in}")
     eval_dir = Path(args.eval_dir) if args.eval_dir else shipped_eval_dir()
     for name in [n for n in args.eval_sets.split(",") if n]:
-        f = find_eval_file(eval_dir, name)
-        if f is None:
-            summary["eval_missing"].append(name)
-            _say(f"eval {name}: not found in {eval_dir} (skipped)")
-            continue
-        try:
-            recs, rr = read_records(f)
-        except (OSError, ValueError, UnicodeDecodeError, ImportError) as e:
-            print(f"m2po prepare-data: cannot read eval set {f}: {e}", file=sys.stderr)
-            return 2
+        if args.eval_hub:
+            from m2po_megatron.data.hub import BENCHMARKS, HubError, fetch_benchmark
+            from m2po_megatron.data.records import ReadReport
+
+            f = BENCHMARKS[name].source
+            try:
+                recs, rr = list(enumerate(fetch_benchmark(name), 1)), ReadReport(f)
+            except HubError as e:
+                print(f"m2po prepare-data: {e}", file=sys.stderr)
+                return 2
+        else:
+            f = find_eval_file(eval_dir, name)
+            if f is None:
+                summary["eval_missing"].append(name)
+                _say(f"eval {name}: not found in {eval_dir} (skipped)")
+                continue
+            try:
+                recs, rr = read_records(f)
+            except (OSError, ValueError, UnicodeDecodeError, ImportError) as e:
+                print(f"m2po prepare-data: cannot read eval set {f}: {e}", file=sys.stderr)
+                return 2
         rep = PrepareReport(source=name, malformed=list(rr.malformed))
         rep.rows_in = len(rr.malformed)
         # eval sets keep their order and ids; duplicates are kept (a benchmark is what it is)
-        rows, rep = prepare_rows(recs, name, seed=None, report=rep, **{**kw, "dedup": False})
+        # hub rows are already normalised to problem/answer, whatever --problem-key says for the training file
+        keys = {"problem_key": "problem", "answer_key": "answer"} if args.eval_hub else {}
+        rows, rep = prepare_rows(recs, name, seed=None, report=rep, **{**kw, "dedup": False, **keys})
         if too_broken(rep, str(f)):
             return 2
         if not rows:
             print(f"m2po prepare-data: eval set {f}: no usable rows", file=sys.stderr)
             return 2
-        summary["eval"][name] = {**rep.as_dict(), "files": emit(rows, f"eval/{name}")}
+        summary["eval"][name] = {**rep.as_dict(), "files": emit(rows, f"eval/{name}"), "from": str(f)}
         _say(f"eval {name}: {rep.rows_out} rows ({len(rep.malformed)} malformed skipped)")
     wanted = [n for n in args.eval_sets.split(",") if n]
     if wanted and len(summary["eval_missing"]) == len(wanted):

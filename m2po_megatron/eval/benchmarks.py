@@ -44,6 +44,35 @@ class EvalSet:
                 raise ValueError(f"eval set {self.name} row {i} ({r.id}): no prompt")
 
 
+# File stems that name a split, not a set: such a file is named by its directory (.cache/tiny-task/eval.jsonl
+# -> tiny-task), so its metrics read eval/tiny-task/pass@1 rather than eval/eval/pass@1.
+SPLIT_STEMS = {"eval", "evaluation", "test", "val", "valid", "validation", "dev", "heldout", "held_out", "data"}
+
+
+def eval_set_names(paths: list[str]) -> list[str]:
+    """The metric name of each data.eval_paths entry (eval/<name>/pass@1): the file name before its first dot
+    (math500.jsonl -> math500), a shard suffix dropped (test-00000-of-00001.parquet -> test), and a split's
+    name replaced by the nearest directory that is not one. Two entries with one name would share metrics:
+    a ValueError naming both."""
+    import re
+
+    names = []
+    for p in paths:
+        path = Path(p).expanduser().absolute()
+        name = re.sub(r"-\d+-of-\d+$", "", path.name.split(".")[0])
+        for parent in path.parents:
+            if name.lower() not in SPLIT_STEMS or not parent.name:
+                break
+            name = parent.name
+        names.append(name)
+    for i, n in enumerate(names):
+        if n in names[:i]:
+            j = names.index(n)
+            raise ValueError(f"data.eval_paths[{j}] ({paths[j]}) and data.eval_paths[{i}] ({paths[i]}) are both "
+                             f"named {n!r} (eval/{n}/pass@1); rename one file or its directory")
+    return names
+
+
 @dataclass
 class BenchmarkScore:
     name: str
