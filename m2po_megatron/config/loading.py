@@ -18,21 +18,51 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from m2po_megatron.config.paths import RECIPES_DIR
+from m2po_megatron.config.paths import RECIPES_DIR, recipe_candidates, resolve_layer
 from m2po_megatron.config.schema import ALL_FIELDS, ConfigError, RunConfig, field_type
 from m2po_megatron.config.validation import validate
 
 SECRET_MARKERS = ("api_key", "token", "secret", "password")
 
 
+# The anchors' names (Megatron, verl, slime, Hugging Face) for fields named otherwise here, so that a misspelled
+# `optim.learning_rate` suggests `optim.lr` rather than the nearest spelling in this schema.
+ANCHOR_NAMES = {
+    "optim.learning_rate": "optim.lr",  # HF TrainingArguments
+    "optim.lr_warmup_iters": "optim.warmup_updates",  # Megatron --lr-warmup-iters
+    "optim.lr_warmup_steps": "optim.warmup_updates",  # verl actor.optim.lr_warmup_steps
+    "optim.warmup_steps": "optim.warmup_updates",  # HF
+    "optim.lr_decay_style": "optim.lr_schedule",  # Megatron --lr-decay-style
+    "optim.lr_scheduler_type": "optim.lr_schedule",  # HF
+    "optim.max_grad_norm": "optim.clip_grad",  # HF
+    "optim.grad_clip": "optim.clip_grad",  # verl actor.grad_clip
+    "optim.adam_epsilon": "optim.adam_eps",  # HF
+    "model.path": "model.hf_path",  # verl actor_rollout_ref.model.path
+    "data.prompt_key": "data.input_key",  # verl
+    "data.train_files": "data.train_path",  # verl
+    "data.val_files": "data.eval_paths",  # verl
+    "rollout.n": "rollout.n_samples_per_prompt",  # verl rollout.n
+    "rollout.response_length": "rollout.max_new_tokens",  # verl rollout.response_length
+    "rollout.tensor_model_parallel_size": "rollout.tp_size",  # verl rollout.tensor_model_parallel_size
+    "rollout.gpu_memory_utilization": "rollout.mem_fraction_static",  # verl / vLLM
+    "train.total_training_steps": "train.steps",  # verl trainer.total_training_steps
+    "train.train_iters": "train.steps",  # Megatron --train-iters
+    "checkpoint.save_interval": "checkpoint.interval",  # Megatron --save-interval
+    "checkpoint.save_freq": "checkpoint.interval",  # verl trainer.save_freq
+    "eval.test_freq": "eval.interval",  # verl trainer.test_freq
+    "eval.eval_interval": "eval.interval",  # Megatron --eval-interval
+}
+
+
 def _suggest(key: str) -> str:
-    close = difflib.get_close_matches(key, ALL_FIELDS, n=1, cutoff=0.6)
+    """The closest field to an unknown key, matching the anchors' names (ANCHOR_NAMES) as well as ours."""
+    names = {**{f: f for f in ALL_FIELDS}, **ANCHOR_NAMES}
+    close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
     if not close:  # try the leaf name alone, anywhere in the schema
-        leaf = key.rsplit(".", 1)[-1]
-        leaves = {p.rsplit(".", 1)[-1]: p for p in ALL_FIELDS}
-        m = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.7)
+        leaves = {p.rsplit(".", 1)[-1]: p for p in names}
+        m = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.7)
         close = [leaves[m[0]]] if m else []
-    return f"; did you mean '{close[0]}'?" if close else ""
+    return f"; did you mean '{names[close[0]]}'?" if close else ""
 
 
 REMOVED = {
@@ -66,22 +96,16 @@ def _check_keys(data: Any, schema: Any, prefix: str, source: str) -> None:
 
 
 def resolve_recipe_path(ref: str, base_dir: Optional[Path] = None) -> Path:
-    """A recipe reference: a path (absolute, or relative to the referring recipe / cwd) or a recipe name
-    under recipes/ with or without `.yaml`."""
-    cands = []
-    p = Path(ref)
-    if p.is_absolute():
-        cands.append(p)
-    else:
-        if base_dir is not None:
-            cands.append(base_dir / p)
-        cands += [Path.cwd() / p, RECIPES_DIR / p]
-    cands += [c.with_name(c.name + ".yaml") for c in list(cands) if c.suffix != ".yaml"]  # qwen3-1.7b-base
+    """A recipe reference (config/paths.py): a path written in a recipe or sweep file in `base_dir`, or given
+    on the command line (relative to the working directory) when `base_dir` is None; else a recipe name under
+    recipes/, with or without `.yaml`."""
+    cands = recipe_candidates(ref, base_dir)
     for c in cands:
         if c.is_file():
             return c.resolve()
-    raise ConfigError(f"recipe '{ref}' not found (looked in {', '.join(str(c) for c in cands[:3])}, ...); "
-                      f"give a path to a YAML file or a name under {RECIPES_DIR}")
+    where = f"the folder of the file naming it, {base_dir}" if base_dir else f"the working directory, {Path.cwd()}"
+    raise ConfigError(f"recipe '{ref}' not found (looked in {', '.join(str(c) for c in cands[:2])}, ...); a path "
+                      f"is relative to {where}, or give a name under {RECIPES_DIR} (docs/training.md, Paths)")
 
 
 def _read_recipe_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict]]:
@@ -101,7 +125,7 @@ def _read_recipe_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Pa
         parents = parent if isinstance(parent, list) else [parent]
         for ref in parents:
             chain += _read_recipe_chain(resolve_recipe_path(str(ref), path.parent), (*seen, path))
-    chain.append((path, data))
+    chain.append((path, resolve_layer(data, path.parent)))
     return chain
 
 
@@ -145,7 +169,7 @@ def load_config(recipe: Optional[str | Path] = None, overrides: Optional[list[st
         path = resolve_recipe_path(str(recipe))
         layers += [(str(p), d) for p, d in _read_recipe_chain(path)]
     if overrides:
-        layers.append(("command-line override", parse_overrides(overrides)))
+        layers.append(("command-line override", resolve_layer(parse_overrides(overrides), None)))
 
     cfg = OmegaConf.structured(RunConfig)
     for source, data in layers:
@@ -161,9 +185,32 @@ def load_config(recipe: Optional[str | Path] = None, overrides: Optional[list[st
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"{source}: cannot apply {_leaves(data)}: {first}; check the keys and the "
                               f"value types against `m2po config RECIPE`") from None
-    validate(cfg, check_files=check_files)
+    try:
+        validate(cfg, check_files=check_files)
+    except ConfigError as e:
+        if recipe is not None and not cfg.model.hf_path and not cfg.model.hf_config:
+            children = _extended_by(path)  # a recipe naming no model may be a base the others extend
+            if children:
+                raise ConfigError(f"{path} is a base that other recipes extend ({', '.join(children)}): it names "
+                                  f"no model, so it does not run alone; give one of those, or a recipe with "
+                                  f"`extends: {path}` and a model section") from None
+        raise
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _extended_by(path: Path) -> list[str]:
+    """The recipes beside `path` and under recipes/ whose `extends:` names it (only read when it fails)."""
+    found = []
+    for f in sorted({*path.parent.glob("*.yaml"), *RECIPES_DIR.rglob("*.yaml")}):
+        try:
+            parents = (yaml.safe_load(f.read_text()) or {}).get("extends") or []
+            parents = [resolve_recipe_path(str(r), f.parent) for r in (parents if isinstance(parents, list) else [parents])]
+        except (OSError, yaml.YAMLError, AttributeError, ConfigError):
+            continue
+        if path in parents:
+            found.append(f.name if f.parent == path.parent else str(f))
+    return found
 
 
 def _leaves(data: Any, prefix: str = "") -> str:

@@ -1,9 +1,9 @@
 """`m2po train` on a fresh clone: the tiny task a recipe trains is built before validation looks for it.
 
 The CPU recipes (recipes/tiny-*.yaml, examples/countdown/recipe.yaml) train models the project builds itself
-under the repository's `.cache/` (`m2po demo`, the Makefile's targets). When a recipe's model.hf_path names
-one of those directories and it does not exist yet, `m2po train` builds it there first, with the settings of
-the command that documents it, and says so in one line. Any other path, and a directory that is already there
+under the repository's `.cache/` (`m2po demo`, the Makefile's targets), whatever the working directory. When a
+recipe's model.hf_path names one of those directories and it does not exist yet, `m2po train` builds it there
+first, with the settings of the command that documents it, and says so in one line. Any other path, and a directory that is already there
 (finished or not), is left to validation, which names what is missing and how to get it.
 
 The build goes to a sibling directory renamed into place when done: an interrupted build leaves no half-built
@@ -50,15 +50,13 @@ BUILDS: dict[str, TinyBuild] = {
 
 def tiny_task_dir(hf_path: Optional[str], cwd: Optional[Path] = None, repo: Path = REPO) -> Optional[Path]:
     """The repository's .cache/<name> directory that model.hf_path names, when <name> is one of BUILDS and it
-    does not exist (or is an empty directory); else None. A relative path resolves as config/paths.py resolves
-    a recipe's paths: from the working directory when it exists there, else from the repository root."""
+    does not exist (or is an empty directory); else None. A loaded config's hf_path is absolute when a recipe
+    wrote it (config/paths.py: `.cache/...` in a recipe is the project's); a relative one was given on the
+    command line and is the working directory's (`cwd`)."""
     if not hf_path:
         return None
     p = Path(os.path.expandvars(os.path.expanduser(str(hf_path))))
-    if not p.is_absolute():
-        here = (cwd or Path.cwd()) / p
-        p = here if here.exists() else repo / p
-    p = p.resolve()
+    p = ((cwd or Path.cwd()) / p).resolve()
     if p.parent != (repo / ".cache").resolve() or p.name not in BUILDS:
         return None
     if p.exists() and not (p.is_dir() and not any(p.iterdir())):

@@ -17,19 +17,17 @@ class PluginError(ValueError):
 
 
 def user_path(ref: str) -> Path:
-    """As config.paths resolves a recipe's paths: as given (absolute, or from the working directory), else
-    from the repository root (a checkout's own files, e.g. tests/agents/plugins.py)."""
-    p = Path(os.path.expandvars(os.path.expanduser(ref)))
-    if p.is_absolute() or p.exists():
-        return p
-    in_repo = Path(__file__).resolve().parents[2] / p
-    return in_repo if in_repo.exists() else p
+    """The file of a `path/to/file.py:name` plug-in: `~` and $VARs expanded, relative to the working directory.
+    A recipe's own plug-in paths arrive absolute: the config loader resolves them against the recipe file
+    (config/paths.py), so this only decides for names given on the command line or in code."""
+    return Path(os.path.expandvars(os.path.expanduser(ref)))
 
 
 def import_file(path: Path, key: str):
     if not path.is_file():
-        raise PluginError(f"{key}: no file {path} (a relative path is taken from the working directory "
-                          f"{Path.cwd()}); give an existing .py file or a `package.module:name`")
+        where = ("" if path.is_absolute() else f" (from the working directory {Path.cwd()})")
+        raise PluginError(f"{key}: no file {path}{where}; give an existing .py file (in a recipe, relative to the "
+                          f"recipe's folder or the project's: docs/training.md, Paths) or a `package.module:name`")
     # one module per file, under a name derived from its absolute path, so two plug-ins named alike coexist
     name = f"m2po_plugin_{path.stem}_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]}"
     if name in sys.modules:

@@ -24,8 +24,11 @@ A sweep file (YAML; recipes/sweeps/table1.yaml is the full example):
       args: []                        # any other sbatch arguments
 
 Exactly one axis value per run may name a `recipe` (the run's base recipe); the others add overrides.
-Recipe references resolve like `extends:` (relative to the sweep file, then recipes/). Each run is validated
-with the config loader before anything is submitted. Runs with the same shape (node count) become one job
+Paths in a sweep file follow the recipes' rule (config/paths.py, docs/training.md "Paths"): recipe references
+resolve like `extends:` (relative to the sweep file, or the project for recipes/..., or a name under recipes/),
+and so do the paths its overrides set (`model.hf_path=.cache/tiny-task-toy` is the project's); output_dir, an
+output, is relative to the working directory. Each run is validated with the config loader before anything is
+submitted. Runs with the same shape (node count) become one job
 array (task i reads ARGS_DIR/i.args); a single run of a shape becomes a plain job.
 """
 from __future__ import annotations
@@ -117,6 +120,7 @@ def _axis_value(axis: str, name: str, spec: Any, src: str) -> tuple[Optional[str
 
 
 def _resolve_recipe(ref: str, sweep_path: Path) -> str:
+    """The recipe as the jobs name it: relative to the repository (they run in M2PO_HOME) when it is there."""
     from m2po_megatron.config import resolve_recipe_path
 
     p = resolve_recipe_path(ref, sweep_path.parent)
@@ -126,13 +130,25 @@ def _resolve_recipe(ref: str, sweep_path: Path) -> str:
         return str(p)
 
 
+def recipe_file(recipe: str) -> str:
+    """A run's recipe as a path that holds from any working directory (Run.recipe is the repository's)."""
+    return recipe if Path(recipe).is_absolute() else str(REPO / recipe)
+
+
+def _file_overrides(items: list[str], sweep_path: Path) -> list[str]:
+    """Overrides written in the sweep file, their paths resolved there (config/paths.py)."""
+    from m2po_megatron.config.paths import resolve_override
+
+    return [resolve_override(o, sweep_path.parent) for o in items]
+
+
 def expand(sweep: dict) -> list[Run]:
     """The sweep's runs, in grid order, with their names, recipes, overrides and run directories."""
     src = sweep.get("_path", "<sweep>")
     sp = Path(src)
     name = str(sweep.get("name") or sp.stem)
     out_dir = str(Path(str(sweep.get("output_dir") or f"runs/{name}")).absolute())  # jobs run in M2PO_HOME
-    common = [str(o) for o in (sweep.get("overrides") or [])]
+    common = _file_overrides([str(o) for o in (sweep.get("overrides") or [])], sp)
     grid = sweep.get("grid") or {}
     if not isinstance(grid, dict) or not grid:
         if not sweep.get("recipe"):
@@ -161,7 +177,7 @@ def expand(sweep: dict) -> list[Run]:
         if run_name in seen:
             raise SweepError(f"{src}: two runs are both named {run_name}; rename an axis value")
         seen.add(run_name)
-        ov = common + [o for c in combo for o in c[2]]
+        ov = common + _file_overrides([o for c in combo for o in c[2]], sp)
         run_dir = f"{out_dir}/{run_name}"
         ov += [f"run.output_dir={out_dir}", f"run.name={run_name}"]
         runs.append(Run(run_name, _resolve_recipe(str(recipes[0]), sp), ov, run_dir, axes=picked))
@@ -169,7 +185,7 @@ def expand(sweep: dict) -> list[Run]:
         if not isinstance(extra, dict) or "name" not in extra or "recipe" not in extra:
             raise SweepError(f"{src}: each include entry needs name and recipe (and optional overrides)")
         run_name = f"{name}-{extra['name']}"
-        ov = common + [str(o) for o in extra.get("overrides") or []]
+        ov = common + _file_overrides([str(o) for o in extra.get("overrides") or []], sp)
         ov += [f"run.output_dir={out_dir}", f"run.name={run_name}"]
         runs.append(Run(run_name, _resolve_recipe(str(extra["recipe"]), sp), ov, f"{out_dir}/{run_name}"))
     if not runs:
@@ -198,7 +214,7 @@ def validate_runs(runs: list[Run]) -> None:
     errors = []
     for r in runs:
         try:
-            cfg = load_config(r.recipe, r.overrides, check_files=False)
+            cfg = load_config(recipe_file(r.recipe), r.overrides, check_files=False)
             r.nodes = int(cfg.cluster.trainer_nodes) + int(cfg.cluster.rollout_nodes)
             r.memory_gib = estimate_memory(cfg)
         except ConfigError as e:
@@ -252,8 +268,9 @@ def _with_dependency(cmd: list[str], dep: Optional[str]) -> list[str]:
     return cmd[:i] + [f"--dependency={dep}"] + cmd[i:]
 
 
-def submit(sweep_path: str | Path, dry_run: bool = False, out=sys.stdout) -> dict:
+def submit(sweep_path: str | Path, dry_run: bool = False, out=None) -> dict:
     """Expand, validate and submit a sweep; write its manifest. Returns the manifest."""
+    out = out or sys.stdout  # read at call time: a default bound at import keeps a replaced sys.stdout
     sweep = load_sweep(sweep_path)
     runs = expand(sweep)
     validate_runs(runs)

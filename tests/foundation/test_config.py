@@ -1,5 +1,6 @@
 """Recipes: inheritance, overrides, and every validation rule (each error names the field and the fix)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -215,13 +216,14 @@ def test_cli_config_command(tmp_path):
 
 def test_missing_hf_config_and_repo_relative_paths(tmp_path, monkeypatch):
     assert "model.hf_config" in err(tmp_path, ["model.hf_config=/no/such/dir"])
-    monkeypatch.chdir(tmp_path)  # bundled configs resolve against the repository root from anywhere
-    ok = load_config(None, ["model.hf_config=m2po_megatron/assets/configs/Qwen__Qwen3-8B-Base",
-                            "parallel.tensor_model_parallel_size=4"])
+    monkeypatch.chdir(tmp_path)  # a recipe's bundled config is the project's from anywhere (config/paths.py)
+    recipe = write(tmp_path / "r.yaml", {"model": {"hf_config": "m2po_megatron/assets/configs/Qwen__Qwen3-8B-Base"}})
+    ok = load_config(recipe, ["parallel.tensor_model_parallel_size=4"])
     assert ok.parallel.tensor_model_parallel_size == 4
-    msg = err(tmp_path, ["model.hf_config=m2po_megatron/assets/configs/Qwen__Qwen3-8B-Base",
-                         "parallel.tensor_model_parallel_size=3"])
-    assert "num_attention_heads = 32" in msg
+    assert "num_attention_heads = 32" in err(tmp_path, ["parallel.tensor_model_parallel_size=3"], recipe=recipe)
+    # on the command line the same path is the working directory's, where there is none
+    msg = err(tmp_path, ["model.hf_config=m2po_megatron/assets/configs/Qwen__Qwen3-8B-Base"])
+    assert f"model.hf_config = '{tmp_path}/m2po_megatron/assets" in msg
 
 
 def test_missing_files_name_the_fix(tmp_path, monkeypatch):
@@ -232,7 +234,8 @@ def test_missing_files_name_the_fix(tmp_path, monkeypatch):
     msg = err(tmp_path, recipe="paper/qwen3-1.7b-base")
     assert "set M2PO_MODELS_DIR" in msg and "--no-check-files" in msg and "M2PO_DATA_DIR" in msg
     assert "deepscaler/eval/math500.jsonl" in msg  # where `prepare-data --out DIR/deepscaler` writes them
-    msg = err(tmp_path, recipe="tiny-cpu")  # no .cache/tiny-task here: a fresh checkout
+    monkeypatch.setattr("m2po_megatron.config.paths.PROJECT_ROOT", tmp_path)  # a fresh checkout: no .cache/
+    msg = err(tmp_path, recipe="tiny-cpu")
     assert "the tiny task .cache/tiny-task is built by `m2po demo`" in msg
 
 
@@ -240,6 +243,7 @@ def test_a_missing_tiny_task_names_the_command_that_builds_that_directory(tmp_pa
     """The toy sweep's task is .cache/tiny-task-toy, which `make toy-table1` builds, not `m2po demo`; any
     other tiny-task directory gets the builder's own command line."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("m2po_megatron.config.paths.PROJECT_ROOT", tmp_path)  # a fresh checkout, run from its root
     toy = ["model.hf_path=.cache/tiny-task-toy", "data.train_path=.cache/tiny-task-toy/train.jsonl",
            "data.eval_paths=[.cache/tiny-task-toy/eval.jsonl]"]
     msg = err(tmp_path, toy, recipe="tiny-cpu")
@@ -302,7 +306,7 @@ def test_overrides_follow_omegaconf_dotlist_and_name_the_bad_item():
                              "run.name=2026-12-01", "data.eval_paths=[a.jsonl, b.jsonl]"], check_files=False)
     assert cfg.train.steps == 7 and cfg.algo.m2po.rule == "cap" and cfg.run.name == "2026-12-01"
     assert cfg.algo.m2po.tau == 0.5  # a section override merges with an earlier override of one of its fields
-    assert list(cfg.data.eval_paths) == ["a.jsonl", "b.jsonl"]
+    assert list(cfg.data.eval_paths) == [os.path.abspath("a.jsonl"), os.path.abspath("b.jsonl")]  # the cwd's
     assert "must look like section.field=value" in err(None, ["train.steps"])
     assert "has no key" in err(None, ["=3"])
     assert "not valid YAML" in err(None, ["train.steps=["])
