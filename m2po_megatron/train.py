@@ -16,12 +16,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from m2po_megatron.config import as_plain, run_dir, save_resolved
+from m2po_megatron.config import as_plain, run_dir
 from m2po_megatron.infra import trace
 from m2po_megatron.run.metrics import MetricsLogger, Progress
 
 
-def train(cfg: DictConfig) -> Path:
+def train(cfg: DictConfig, allow_change: tuple[str, ...] = ()) -> Path:
+    """Run the loop; `allow_change`: config keys a resume may change beyond the safe ones (run/config_guard.py)."""
     from m2po_megatron.eval.in_run import Evaluator
     from m2po_megatron.infra.cluster import init_ray, shutdown_ray
     from m2po_megatron.reward import rewards_from_config
@@ -30,7 +31,7 @@ def train(cfg: DictConfig) -> Path:
     from m2po_megatron.rollout.updates import WeightUpdater
     from m2po_megatron.run.checkpoint import checkpoint_step, restore, resume_hint, save_checkpoint
     from m2po_megatron.run.inputs import load_data, load_tokenizer
-    from m2po_megatron.run.rundir import check_run_dir, claim_run_dir
+    from m2po_megatron.run.rundir import check_resume, check_run_dir, claim_run_dir, record_start
     from m2po_megatron.run.servers import api_key, check_ports, make_client, start_rollout_engines
     from m2po_megatron.run.state import CheckpointManager, install_sigterm_flag
     from m2po_megatron.run.trainers import start_trainers
@@ -41,6 +42,7 @@ def train(cfg: DictConfig) -> Path:
     stop = install_sigterm_flag(timeout_s=cfg.checkpoint.stop_timeout_s)  # honoured during set-up too
     try:  # everything the run needs is read and checked before anything is written or Ray starts
         resume_from = check_run_dir(cfg, rdir, ckpts)
+        changed = check_resume(cfg, resume_from, allow_change)  # a resume that changes the run stops here
         tokenizer = load_tokenizer(cfg)
         prompts, eval_rows = load_data(cfg, tokenizer, require_label=needs_label(cfg.reward))
         check_ports(cfg)
@@ -54,7 +56,7 @@ def train(cfg: DictConfig) -> Path:
         stop.restore()
         return rdir
     lock = claim_run_dir(cfg, rdir, ckpts, resume_from)  # the directory is this process's until it exits
-    save_resolved(cfg, rdir)
+    record_start(cfg, rdir, start_step, resume_from, changed)  # config.yaml and config_history.jsonl
     if cfg.logging.trace:  # RUN_DIR/trace/loop.jsonl, merged into RUN_DIR/trace.json at the end
         trace.open_trace(rdir / "trace" / "loop.jsonl", "loop", cfg.logging.trace_limit)
     logger = MetricsLogger(rdir, config=as_plain(cfg), wandb_mode=cfg.logging.wandb_mode,

@@ -15,19 +15,26 @@ def register(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="start over in a run directory that holds another run; the old one is moved to "
                         "RUN_DIR.replaced-TIME (same as run.overwrite=true)")
+    p.add_argument("--allow-change", action="append", default=[], metavar="KEY[,KEY...]|all",
+                   help="let a resume change these config keys (algo.name, a section such as staleness, or all); "
+                        "without it a resume that changes the algorithm, staleness, model, layout, data, ... "
+                        "stops naming each key. Safe keys (train.steps, logging, eval.interval, ...) always "
+                        "may change; every start is recorded in RUN_DIR/config_history.jsonl")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from m2po_megatron.config import load_config
+    from m2po_megatron.run.config_guard import parse_allowed
 
+    allowed = parse_allowed(args.allow_change)  # a misspelt key stops before anything is loaded
     overrides = list(args.overrides) + ([f"run.resume={args.resume}"] if args.resume else [])
     overrides += ["run.overwrite=true"] if args.overwrite else []
     _build_missing_tiny_task(args.recipe, overrides)
     cfg = load_config(args.recipe, overrides)  # every recipe error surfaces here, before Ray starts
     from m2po_megatron.train import train
 
-    rdir = train(cfg)
+    rdir = train(cfg, allow_change=allowed)
     print(f"[m2po] run directory: {rdir}")
     return 0
 

@@ -2,8 +2,6 @@
 (a bad file is a ConfigError naming the field, file and row)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from omegaconf import DictConfig
 
 
@@ -29,7 +27,7 @@ def load_data(cfg: DictConfig, tokenizer, require_label: bool = True):
     from m2po_megatron.config import ConfigError
     from m2po_megatron.data.prompts import PromptStream
     from m2po_megatron.data.rows import DataError, load_task_rows
-    from m2po_megatron.eval.benchmarks import EvalSet
+    from m2po_megatron.eval.benchmarks import EvalSet, eval_set_names
 
     d = cfg.data
     if not d.train_path:
@@ -45,9 +43,12 @@ def load_data(cfg: DictConfig, tokenizer, require_label: bool = True):
     train = rows_of(d.train_path, d.train_split, "data.train_path")
     e = cfg.eval
     eval_sets = []
-    for i, path in enumerate(d.eval_paths):
+    try:
+        names = eval_set_names(list(d.eval_paths))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    for i, (path, name) in enumerate(zip(d.eval_paths, names)):
         rows = rows_of(path, d.eval_split, f"data.eval_paths[{i}]")
-        name = Path(path).name.split(".")[0]
         try:
             eval_sets.append(EvalSet(name, rows, e.n_samples_overrides.get(name, e.n_samples)))
         except ValueError as err:

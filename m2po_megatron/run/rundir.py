@@ -8,8 +8,11 @@ resumed run's metrics end where its checkpoint does.
 - `move_aside`: `--overwrite` renames the old run to RUN_DIR.replaced-TIME (kept, never deleted).
 - `truncate_metrics`: on resume, rows after the checkpoint's step go (they are recomputed), so every step
   appears once in metrics.jsonl.
+- `check_resume`: a resume that would change what the run is (its algorithm, staleness, model, layout, data...;
+  run/config_guard.py) stops before anything starts, naming each key, unless `--allow-change` allows it.
 - `check_run_dir` (reads only, before anything starts) and `claim_run_dir` (the lock, --overwrite, resume
-  truncation) apply these rules for `m2po train`; `record_placement` writes RUN_DIR/placement.json.
+  truncation) apply these rules for `m2po train`; `record_start` writes RUN_DIR/config.yaml (the latest
+  config) and appends to RUN_DIR/config_history.jsonl; `record_placement` writes RUN_DIR/placement.json.
 """
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from m2po_megatron.config import ConfigError
+from m2po_megatron.config import ConfigError, redact, save_resolved
 from m2po_megatron.run.checkpoint import checkpoint_step
+from m2po_megatron.run.config_guard import diff, refusal, refused
+from m2po_megatron.run.config_history import append_history, config_at
 
 LOCK = ".lock"
 
@@ -141,6 +146,39 @@ def check_run_dir(cfg: DictConfig, rdir: Path, ckpts):
     if cfg.run.resume == "none":
         refuse_if_used(rdir)
     return resume_from
+
+
+def check_resume(cfg: DictConfig, resume_from, allowed: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Compare the config the checkpoint was trained with (its run's config_history.jsonl, else config.yaml)
+    with `cfg`: guarded changes not in `allowed` raise ConfigError (exit 2) naming each key; safe and allowed
+    ones are printed. Returns the guarded keys that changed (allowed), for the history. Reads only."""
+    if resume_from is None:
+        return ()
+    from omegaconf import OmegaConf
+
+    from m2po_megatron.config import RunConfig
+
+    step = checkpoint_step(resume_from)
+    src = Path(resume_from).parent.parent  # RUN_DIR/checkpoints/step_XXXXXXX
+    old, where = config_at(src, step)
+    if old is None:
+        print(f"[m2po] {where} is missing: the settings checkpoint {resume_from} was trained with are unknown, "
+              f"so the resume's changes were not checked", flush=True)
+        return ()
+    changes = diff(old, redact(cfg), defaults=redact(OmegaConf.structured(RunConfig)))
+    if stop := refused(changes, allowed):
+        raise ConfigError(refusal(stop, f"{src} from step {step}"))
+    for c in changes:
+        if c.key not in ("run.resume", "run.overwrite"):  # how this start was asked for, not a change
+            print(f"[m2po] resume changes {c.text()} ({'safe' if c.safe else 'allowed by --allow-change'})",
+                  flush=True)
+    return tuple(c.key for c in changes if not c.safe)
+
+
+def record_start(cfg: DictConfig, rdir: Path, start_step: int, resume_from, allowed: tuple[str, ...] = ()) -> None:
+    """RUN_DIR/config.yaml (the latest config) and this start's entry in RUN_DIR/config_history.jsonl."""
+    save_resolved(cfg, rdir)
+    append_history(rdir, redact(cfg), start_step, resume_from, allowed)
 
 
 def claim_run_dir(cfg: DictConfig, rdir: Path, ckpts, resume_from):

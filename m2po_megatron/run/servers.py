@@ -47,7 +47,15 @@ def start_rollout_engines(cfg: DictConfig, rdir: Path):
     r = cfg.rollout
     key = api_key(cfg)
     if r.urls:
-        return None, EngineManager.attach(list(r.urls), api_key=key, timeout_s=r.health_timeout_s)
+        urls = EngineManager.attach(list(r.urls), api_key=key, timeout_s=r.health_timeout_s)
+        if routing_spec(cfg) is not None:  # R3: SGLang's recorded expert ids must be the model's
+            from m2po_megatron.config import ConfigError
+            from m2po_megatron.rollout.launcher import physical_routing_servers
+
+            refusal = physical_routing_servers(urls, key)
+            if refusal:
+                raise ConfigError(refusal)
+        return None, urls
     from m2po_megatron.infra.errors import RunError
 
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get(ROLLOUT_RESOURCE)]

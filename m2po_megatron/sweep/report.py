@@ -5,6 +5,8 @@ Each run directory holds the resolved `config.yaml` and `metrics.jsonl` that `m2
 carry `eval/<benchmark>/pass@1` and `eval/avg/pass@1`, in percent; a run evaluated afterwards by `m2po eval`
 may instead have `eval/summary.csv`). Runs are grouped by model, method (algo.name) and staleness (in
 optimizer updates: lag_steps x updates_per_step for fixed_lag, 0 on-policy, `<=max_staleness` for bounded);
+a run that a resume changed (`m2po train --allow-change`) is labelled by what ran, from its
+config_history.jsonl ("m2po (steps 1-40) -> grpo (steps 41-60)"), so it is never counted as either method;
 runs of one group that differ in anything but seeds, names and paths are split into variants, labelled by
 what differs. Per run, the **score** is the mean of its last 3 evaluations after step 0 (fewer if it has
 fewer; n_evals says how many), the headline and the only number the tests use; the **last** evaluation is
@@ -26,7 +28,8 @@ from typing import Optional, Sequence
 import yaml
 
 from m2po_megatron.sweep import claims as cl
-from m2po_megatron.sweep import stats
+from m2po_megatron.sweep import paper_table1, stats
+from m2po_megatron.run.config_history import label_over_time
 from m2po_megatron.run.metrics import metrics_path
 from m2po_megatron.sweep.plot import plot_groups, read_metrics_file
 
@@ -191,8 +194,13 @@ def load_run(run: str | Path) -> RunRecord:
     except (OSError, ValueError) as e:
         raise ReportError(str(e)) from None
     seed = flat.get("run.seed")
-    return RunRecord(path=run, model=_model(flat), method=str(flat.get("algo.name", "?")),
-                     staleness=_staleness(flat), seed=int(seed) if seed is not None else None, flat=flat,
+    last = max((s for pts in series.values() for s in pts), default=0)
+
+    def by_step(label):  # a resume that changed it (--allow-change): what ran when, from config_history.jsonl
+        return label_over_time(run, lambda cfg: label(_flatten(cfg)), last) or label(flat)
+
+    return RunRecord(path=run, model=by_step(_model), method=by_step(lambda f: str(f.get("algo.name", "?"))),
+                     staleness=by_step(_staleness), seed=int(seed) if seed is not None else None, flat=flat,
                      evals=_evals(run, series), series=series)
 
 
@@ -338,6 +346,9 @@ def markdown(groups: list[Group], comps: Optional[dict] = None) -> str:
             text = cl.claims(groups, comps)
             if text:
                 out.append(text)
+    paper = paper_table1.markdown(groups)  # the paper's numbers beside the groups it also ran
+    if paper:
+        out.append(paper)
     return "\n".join(out)
 
 
