@@ -39,7 +39,8 @@ def _routers(chunks) -> list:
     return out
 
 
-def _hook_class():
+def layer_replay_class():
+    """The class of one MoE layer's replay hook, built on first use (megatron-core imports late)."""
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     class LayerReplay(RouterReplay):
@@ -71,6 +72,11 @@ def _hook_class():
                 self.record_into.append(own.detach().to(torch.int16))
             used = own
             if target is not None:
+                if target.shape != own.shape:  # torch.where would broadcast a (1, k) slice over every token
+                    raise RuntimeError(
+                        f"routing replay of layer {self.layer_number}: targets {tuple(target.shape)} for a router "
+                        f"that sees {tuple(own.shape)} (tokens, top-k): the targets must be this rank's rows of "
+                        "the micro-batch exactly (its sequence-parallel share)")
                 target = target.to(own.device).long()
                 has = target[:, 0] >= 0
                 if apply:
@@ -121,7 +127,7 @@ class RoutingReplay:
             raise ValueError(f"algo.routing_replay = {mode!r}: use one of {REPLAY_MODES}")
         self.mode, self.num_experts, self.topk = mode, num_experts, topk
         self.sp_split = (0, 1)  # (rank, size): with sequence parallelism a router sees its TP rank's rows
-        cls = _hook_class()
+        cls = layer_replay_class()
         self.layers: list[tuple[int, object]] = []
         for layer, router in _routers(chunks):
             hook = cls(num_experts, recompute)
@@ -147,10 +153,8 @@ class RoutingReplay:
 
     def before_forward(self, targets: Optional[torch.Tensor]) -> None:
         """Set every layer's target for the next micro-batch: [S, layers of this rank, k] or None."""
-        if targets is not None and self.sp_split[1] > 1:
-            r, n = self.sp_split
-            step = targets.shape[0] // n
-            targets = targets[r * step:(r + 1) * step]
+        if targets is not None:
+            targets = sp_share(targets, *self.sp_split)
         for j, (_, h) in enumerate(self.layers):
             h.target = None if targets is None else targets[:, j, :]
 
@@ -303,7 +307,13 @@ def record_step(actor, replay: RoutingReplay, batch, minis: list[list[int]]):
             h.apply, h.count = False, False
         with replay.recording() as rec:
             actor._run(mbs, loss_fn, forward_only=True)
-        for mb, row in zip(mbs, split_recorded(rec, mbs, ids)):
+        size = replay.sp_split[1]  # > 1: each TP rank's routers saw only its share of every row
+        rows = [gather_sp_rows(r, actor.tp_group, size) if size > 1 else r.cpu()
+                for r in split_recorded(rec, mbs, ids)]
+        for mb, row in zip(mbs, rows):
+            if row.shape[0] != mb.seq_len:
+                raise RuntimeError(f"routing replay (r2): recorded {row.shape[0]} rows of a micro-batch of "
+                                   f"{mb.seq_len} tokens; the recording must cover the whole packed row")
             for j, off, n in zip(mb.seq_index, mb.offsets, mb.lengths):
                 if j >= len(mi):  # the filler
                     continue
@@ -336,5 +346,30 @@ def row_targets(routed: Optional[list], mb, layer_ids: list[int], topk: int) -> 
 
 
 def split_recorded(recorded: dict, mbs: list, layer_ids: list[int]) -> list[torch.Tensor]:
-    """Per micro-batch [S, layers, k] int16 from `recording()`'s per-layer lists (one entry per forward)."""
-    return [torch.stack([recorded[i][m] for i in layer_ids], 1).cpu() for m in range(len(mbs))]
+    """Per micro-batch [rows the routers saw, layers, k] int16 from `recording()`'s per-layer lists (one entry
+    per forward), on the device: the whole row, or with sequence parallelism this TP rank's share of it."""
+    return [torch.stack([recorded[i][m] for i in layer_ids], 1) for m in range(len(mbs))]
+
+
+def sp_share(rows: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """A TP rank's share of a packed row's per-token data under sequence parallelism: megatron scatters the
+    row's tokens to the TP ranks in equal contiguous blocks (the row is padded to a multiple of TP,
+    actor/packing.row_multiple)."""
+    if size == 1:
+        return rows
+    if rows.shape[0] % size:
+        raise RuntimeError(f"routing replay: a packed row of {rows.shape[0]} tokens does not split over "
+                           f"{size} sequence-parallel ranks (rows are padded to a multiple of TP)")
+    step = rows.shape[0] // size
+    return rows[rank * step:(rank + 1) * step]
+
+
+def gather_sp_rows(share: torch.Tensor, group, size: int) -> torch.Tensor:
+    """The whole packed row (host int16) from every TP rank's share (inverse of sp_share). int32 on the wire:
+    NCCL has no int16."""
+    import torch.distributed as dist
+
+    x = share.to(torch.int32).contiguous()
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts).to(torch.int16).cpu()

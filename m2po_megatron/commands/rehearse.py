@@ -33,6 +33,13 @@ def register(sub) -> None:
                         "the whole optimizer mini-batch, 1-2 minutes a dense paper recipe on 2 cores; the peak "
                         "needs only as many as the pipeline keeps in flight; a mixture-of-experts recipe runs its "
                         "experts one by one and needs this)")
+    p.add_argument("--no-fake-cache", action="store_true",
+                   help="torch's fake-tensor dispatch cache alone, without the rehearsal's first-level cache "
+                        "(infra/fake_cache.py; slower, the same trace)")
+    p.add_argument("--fake-cache-crosscheck", type=int, default=0, metavar="N",
+                   help="dispatch every Nth hit of the first-level cache again without a cache and compare the "
+                        "outputs; a difference fails the stage (1: every hit, several times slower; default 0: "
+                        "none)")
     p.add_argument("--format", default="table", choices=("table", "json"))
     p.add_argument("--seed", type=int, default=0, help="seed of the drawn sequence lengths")
     p.set_defaults(func=run)
@@ -47,6 +54,9 @@ def run(args) -> int:
     if args.jobs < 1 or args.timeout_s <= 0 or args.tolerance <= 0 or (
             args.max_microbatches is not None and args.max_microbatches < 1):
         raise ConfigError("--jobs and --max-microbatches must be >= 1, --timeout-s and --tolerance > 0")
+    if args.fake_cache_crosscheck < 0 or (args.fake_cache_crosscheck and args.no_fake_cache):
+        raise ConfigError(f"--fake-cache-crosscheck {args.fake_cache_crosscheck}: checks every Nth hit of the "
+                          "first-level cache; use N >= 0, and 0 with --no-fake-cache (no cache to check)")
     cfg = load_config(args.recipe, args.overrides, check_files=False)
     try:
         kw, changed = traced_kwargs(cfg)
@@ -60,14 +70,15 @@ def run(args) -> int:
     full = minibatch_seqs(cfg)
     results = run_roles(kw, world_size=world, tp=tp, dp=dp, pp=pp, seqs=seqs,
                         max_new_tokens=cfg.rollout.max_new_tokens, jobs=args.jobs, timeout_s=args.timeout_s,
-                        seed=args.seed)
+                        seed=args.seed, fast_cache=not args.no_fake_cache, crosscheck=args.fake_cache_crosscheck)
     rep = report(cfg, hf, results, kw, float(cfg.cluster.gpu_memory_gb or 0))
     rep.update(recipe=str(args.recipe), world_size=world, layout=dict(tp=tp, pp=pp, dp=dp,
                vpp=p.virtual_pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
                sp=bool(p.sequence_parallel)), minibatch_seqs=seqs, recipe_minibatch_seqs=full,
                changed=changed,
                not_traced=list(NOT_TRACED) + (list(NOT_TRACED_MOE) if hf.get("num_experts") or
-                                              hf.get("num_local_experts") else []), allocator_model="m2po_megatron.infra.fake_world.RehearsalMode")
+                                              hf.get("num_local_experts") else []),
+               allocator_model="m2po_megatron.infra.fake_world.RehearsalMode")
     rep["ok"], rep["problems"] = verdict(rep, args.tolerance)
     ok = rep["ok"]
     if args.format == "json":
@@ -109,7 +120,12 @@ def format_report(rep: dict) -> str:
     for s in rep["stages"]:
         if "error" in s:
             continue
-        lines.append(f"\ncollectives of {s['role']} stage (build {s['build_s']:.0f} s, step {s['step_s']:.0f} s):")
+        c = s["dispatch_cache"]
+        cache = (f"first-level dispatch cache {c['hits']} hits, {c['misses']} misses"
+                 + (f", {c['checked']} crosschecked (every {c['crosscheck']})" if c["crosscheck"] else "")
+                 if c["fast"] else "torch's dispatch cache alone")
+        lines.append(f"\ncollectives of {s['role']} stage (build {s['build_s']:.0f} s, step {s['step_s']:.0f} s; "
+                     f"{cache}):")
         for c in s["collectives"]:
             lines.append(f"  {c['call']:<24}{c['group']:<18}{c['count']:>6} x  {c['bytes'] / 2**20:>12.1f} MiB")
     lines.append("\nnot traced (from the formula instead):")

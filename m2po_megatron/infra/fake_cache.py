@@ -14,9 +14,10 @@ never caches, are cached from the aliasing their first output shows. FakeTensorM
 no_dispatch() context and debug-log call are left out unless torch's fake-tensor log is at DEBUG.
 
 What is not keyable this way (a real tensor among the arguments, symbolic sizes, another mode's fake tensor, a
-fake tensor holding a constant, an argument of another type) goes down torch's path unchanged. `crosscheck=True`
-dispatches every hit again without a cache and compares the two outputs (metadata, attributes, dispatch keys,
-and which arguments they are or share storage with): the tests run a real Megatron step that way.
+fake tensor holding a constant, an argument of another type) goes down torch's path unchanged. `crosscheck=N`
+dispatches every Nth hit again without a cache and compares the two outputs (metadata, attributes, dispatch
+keys, and which arguments they are or share storage with); 1 (or True) checks every hit, 0 none. The tests run
+real Megatron steps, dense and mixture-of-experts, that way (`m2po rehearse --fake-cache-crosscheck N`).
 
 This uses FakeTensorMode's private cache API, as torch 2.14 has it (the lock's); without it the mode is torch's.
 """
@@ -55,12 +56,15 @@ class _NoKey(Exception):
 class FastCacheFakeTensorMode(FakeTensorMode):
     """FakeTensorMode with a first-level dispatch cache under a cheap key (see the module docstring)."""
 
-    def __init__(self, *, fast_cache: bool = True, crosscheck: bool = False, **kwargs):
+    def __init__(self, *, fast_cache: bool = True, crosscheck: int = 0, **kwargs):
         super().__init__(**kwargs)
+        if int(crosscheck) < 0:
+            raise ValueError(f"crosscheck = {crosscheck}: every Nth first-level hit is checked; use N >= 0")
         self.fast_enabled = fast_cache and _HAS_API and self.shape_env is None
-        self.crosscheck = crosscheck
+        self.crosscheck = int(crosscheck)  # True -> 1: every hit
         self.fast_hits = 0
         self.fast_misses = 0
+        self.fast_checked = 0  # hits dispatched again without a cache and compared
         self._fast: dict = {}
         self._state = _ft._CacheKeyState(None) if _HAS_API else None
         blank = _constructor_state(self) if self.fast_enabled else None
@@ -117,7 +121,8 @@ class FastCacheFakeTensorMode(FakeTensorMode):
             return self._dispatch_impl(func, types, args, kwargs)
         self.fast_hits += 1
         out = self._build(entry, func, args)
-        if self.crosscheck:
+        if self.crosscheck and self.fast_hits % self.crosscheck == 0:
+            self.fast_checked += 1
             with _ft.disable_fake_tensor_cache(self):
                 _check_same(self._dispatch_impl(func, types, args, kwargs), out, func, args)
         return out

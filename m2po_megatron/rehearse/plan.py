@@ -65,8 +65,10 @@ def minibatch_seqs(cfg, max_microbatches: Optional[int] = None, seed: int = 0) -
 
 
 def run_roles(kw: dict, *, world_size: int, tp: int, dp: int, pp: int, seqs: int, max_new_tokens: int,
-              jobs: int, timeout_s: float, seed: int = 0) -> list[dict]:
-    """Each role in a spawned process (up to `jobs` at once); [{role, ok, result | error}] in role order."""
+              jobs: int, timeout_s: float, seed: int = 0, fast_cache: bool = True,
+              crosscheck: int = 0) -> list[dict]:
+    """Each role in a spawned process (up to `jobs` at once); [{role, ok, result | error}] in role order.
+    fast_cache, crosscheck: the fake mode's dispatch cache and its check (stage.rehearse_rank)."""
     from m2po_megatron.infra.fake_world import fake_world_rank
     from .stage import child_main
 
@@ -81,7 +83,8 @@ def run_roles(kw: dict, *, world_size: int, tp: int, dp: int, pp: int, seqs: int
                 r = todo[nxt]
                 path = os.path.join(tmp, f"{nxt}.json")
                 args = dict(kwargs=kw, rank=fake_world_rank(r.pp_rank, tp, dp), world_size=world_size,
-                            minibatch_seqs=seqs, max_new_tokens=max_new_tokens, seed=seed)
+                            minibatch_seqs=seqs, max_new_tokens=max_new_tokens, seed=seed,
+                            fast_cache=fast_cache, crosscheck=crosscheck)
                 p = ctx.Process(target=child_main, args=(args, path), daemon=True)
                 p.start()
                 running.append((nxt, p, path, time.monotonic()))
@@ -153,7 +156,8 @@ def report(cfg, hf, results: list[dict], traced_kw: dict, gpu_gb: float) -> dict
             peak_phase=res["peak_phase"], estimate_traced_gib=tensor_terms,
             error_pct=100.0 * (tensor_terms - traced_gib) / traced_gib,
             estimate_recipe_gib=est_r["total"], gpu_gib=gpu_gb, headroom_gib=gpu_gb - est_r["total"],
-            collectives=res["collectives"], build_s=res["build_s"], step_s=res["step_s"]))
+            collectives=res["collectives"], build_s=res["build_s"], step_s=res["step_s"],
+            dispatch_cache=res["dispatch_cache"]))
     return {"stages": rows}
 
 

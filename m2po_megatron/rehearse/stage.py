@@ -59,10 +59,11 @@ def _optimizer_tensors(optimizer) -> tuple[list, list]:
 
 
 def rehearse_rank(kwargs: dict, *, rank: int, world_size: int, minibatch_seqs: int, max_new_tokens: int,
-                  seed: int = 0, fast_cache: bool = True, crosscheck: bool = False) -> dict:
+                  seed: int = 0, fast_cache: bool = True, crosscheck: int = 0) -> dict:
     """Build MegatronActor(**kwargs) as global `rank` of a fake world and run one train_step of one optimizer
     mini-batch of `minibatch_seqs` sequences. Returns the rank's numbers (bytes, counts, seconds).
-    fast_cache / crosscheck: the fake mode's first-level dispatch cache, and its check (infra.fake_cache)."""
+    fast_cache / crosscheck: the fake mode's first-level dispatch cache, and its check of every Nth hit
+    (infra.fake_cache; 0: none)."""
     t0 = time.perf_counter()
     from m2po_megatron.infra import device
 
@@ -130,7 +131,8 @@ def rehearse_rank(kwargs: dict, *, rank: int, world_size: int, minibatch_seqs: i
         at_peak=mode.breakdown(), built_bytes=built, microbatches=len(mbs), row_tokens=max(m.seq_len for m in mbs),
         sequences=len(shard), tokens=sum(batch.lengths[i] for i in shard), collectives=log.summary(),
         build_s=round(t_build, 2), step_s=round(t_step, 2),
-        dispatch_cache=dict(fast=mode.fast_enabled, hits=mode.fast_hits, misses=mode.fast_misses))
+        dispatch_cache=dict(fast=mode.fast_enabled, hits=mode.fast_hits, misses=mode.fast_misses,
+                            crosscheck=mode.crosscheck, checked=mode.fast_checked))
     actor.close()
     return out
 

@@ -97,6 +97,20 @@ def check_identity(url: str, served_model_name: str, api_key: str | None = None)
                                  f"{served_model_name!r}): another process holds the port; the run will not use it")
 
 
+def physical_routing_servers(urls: Sequence[str], api_key: str | None = None) -> str | None:
+    """For R3 with servers started elsewhere: the refusal naming each server whose /get_server_info shows
+    expert-location dispatch (its recorded expert ids are physical, rollout/routing.py), or None."""
+    from m2po_megatron.rollout.routing import expert_location_settings, physical_routing_refusal
+
+    bad = []
+    for url in urls:
+        status, text = _http.request(f"{url}/get_server_info", api_key=api_key, timeout=30)
+        settings = expert_location_settings(json.loads(text)) if status == 200 else []
+        if settings:
+            bad.append(f"{url}: {', '.join(settings)}")
+    return physical_routing_refusal("rollout.urls", bad) if bad else None
+
+
 def wait_healthy(url: str, *, api_key: str | None = None, timeout_s: float = 600.0, proc=None,
                  log_path: str | None = None, served_model_name: str | None = None) -> None:
     """Poll /health_generate until 200 (then, given `served_model_name`, check that the server is ours);

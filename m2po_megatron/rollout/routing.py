@@ -145,3 +145,32 @@ def from_state(d) -> Optional[np.ndarray]:
                          f"{str(d)[:120]}")
     a = np.frombuffer(base64.b64decode(d["b64"]), dtype=np.dtype(d["dtype"]).newbyteorder("<"))
     return a.reshape(d["shape"]).astype(d["dtype"])  # native order, writable (frombuffer's is read-only)
+
+
+# SGLang server args (server_args names -> the value that keeps the identity map) that turn on expert-location
+# dispatch: EPLB's rebalancing, redundant copies of experts, a non-trivial initial placement, elastic backups.
+# With any of them an expert id SGLang records is a physical slot of its expert-location map, which changes as
+# EPLB rebalances; the HTTP API (contracts/sglang-http-0.5.23.json) gives no physical -> logical map per step
+# to translate it back, so R3 refuses such a server (docs/moe.md).
+EXPERT_LOCATION_IDENTITY = {"enable_eplb": False, "ep_num_redundant_experts": 0, "init_expert_location": "trivial",
+                            "enable_elastic_expert_backup": False}
+
+
+def expert_location_settings(server_args: dict) -> list[str]:
+    """`name=value` of each expert-location dispatch setting in `server_args` (SGLang's server_args names, as
+    /get_server_info answers them; an absent name is SGLang's default): empty when recorded ids are logical."""
+    out = []
+    for name, identity in EXPERT_LOCATION_IDENTITY.items():
+        v = server_args.get(name, identity)
+        if v not in (identity, None) and str(v) != str(identity):
+            out.append(f"{name}={v}")
+    return out
+
+
+def physical_routing_refusal(where: str, settings: list[str]) -> str:
+    """The message refusing R3 with a server whose recorded expert ids are physical."""
+    return (f"algo.routing_replay = r3 with {where} running expert-location dispatch ({', '.join(settings)}): "
+            "SGLang then records physical expert slots, not the model's experts, and its HTTP API gives no "
+            "physical -> logical map to translate them; start SGLang without --enable-eplb, "
+            "--ep-num-redundant-experts, --init-expert-location and --enable-elastic-expert-backup, or use "
+            "algo.routing_replay = r2 or none")

@@ -79,8 +79,39 @@ def build_command(spec: ServerSpec, python: str = sys.executable) -> list[str]:
                  and flags[a.split("=", 1)[0]]["dest"] not in LOCAL_FLAGS]
         if local:
             raise ValueError(f"extra_args flag(s) {local} are not supported by the CPU server (engine='local')")
+    if spec.enable_return_routed_experts:  # R3 needs the model's expert ids (rollout/routing.py)
+        from m2po_megatron.rollout.routing import expert_location_settings, physical_routing_refusal
+
+        settings = expert_location_settings(flag_values(spec.extra_args))
+        if settings:
+            raise ValueError(physical_routing_refusal("extra_args", settings))
     cmd += list(spec.extra_args)
     return cmd
+
+
+def flag_values(args: Sequence[str]) -> dict:
+    """SGLang server_args name -> value of a checked flag list (check_launch_args): True for a switch, the
+    string for a one-value flag, the list for a many-value one."""
+    from m2po_megatron.rollout.protocol import launch_flags
+
+    flags, out, i = launch_flags(), {}, 0
+    while i < len(args):
+        name, eq, val = args[i].partition("=")
+        spec = flags[name]
+        if not spec["takes_value"]:
+            out[spec["dest"]] = True
+        elif eq:
+            out[spec["dest"]] = val
+        else:
+            vals = []
+            while i + 1 < len(args) and not args[i + 1].startswith("--"):
+                i += 1
+                vals.append(args[i])
+                if spec["nargs"] in (None, "?"):
+                    break
+            out[spec["dest"]] = vals[0] if spec["nargs"] in (None, "?") and vals else vals
+        i += 1
+    return out
 
 
 def redact(cmd: Sequence[str]) -> str:

@@ -420,17 +420,30 @@ def moe_train_worker(jobs):
             b.routed_experts = routed
         seen: dict = {}
         handles = _router_hooks(actor, seen) if job.get("observe") else []
+        recorded = _capture_r2(actor) if job.get("replay") == "r2" and job.get("observe") else {}
         res = {"dp": actor.dp_size, "metrics": actor.train_step(b, num_minibatches=job.get("num_minibatches", 1))}
         for h in handles:
             h.remove()
         res["weights"] = gather_hf_state_dict(actor.model_chunks(), actor.spec)
         if job.get("observe"):
             res["observed"] = {key: [m.sum().item() for m in maps] for key, maps in seen.items()}
-            if job.get("replay") == "r3":
-                res["exact"] = _replay_exact(actor, b, seen, k)
+            if job.get("replay") in ("r2", "r3"):  # R2: against the routing its recording pass produced
+                res["exact"] = _replay_exact(actor, recorded.get("batch", b), seen, k)
         results.append(res)
         actor.close()
     return results
+
+
+def _capture_r2(actor) -> dict:
+    """{"batch": the step's batch with the routing R2 recorded}, filled when the step's recording pass ends."""
+    out = {}
+    prepare = actor.replay.prepare_step
+
+    def capture(*args):
+        out["batch"], metrics = prepare(*args)
+        return out["batch"], metrics
+    actor.replay.prepare_step = capture
+    return out
 
 
 def _replay_exact(actor, batch, seen, k):
@@ -438,7 +451,7 @@ def _replay_exact(actor, batch, seen, k):
     router hooks, over the training forward (the last of the forward calls: after the global-mask and
     diagnostics passes) and the recompute."""
     from m2po_megatron.actor.dp_share import rank_share
-    from m2po_megatron.actor.routing_replay import row_targets
+    from m2po_megatron.actor.routing_replay import row_targets, sp_share
 
     batch, _, shard, _ = rank_share(batch, actor.dp_size, actor.dp_rank)  # this rank's training micro-batches
     mbs = actor._plan(batch, shard)
@@ -456,7 +469,7 @@ def _replay_exact(actor, batch, seen, k):
                 t = row_targets(batch.routed_experts, mb, [i], k)
                 if t is None:  # a filler micro-batch
                     continue
-                t = t[:, 0, :].long()
+                t = sp_share(t[:, 0, :].long(), *actor.replay.sp_split)  # this TP rank's rows under SP
                 has = t[:, 0] >= 0
                 want = torch.zeros_like(m).scatter_(1, t.clamp_min(0), True)
                 n_t += int(has.sum())

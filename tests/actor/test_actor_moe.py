@@ -6,7 +6,8 @@ import actor_workers as w
 from m2po_megatron.actor.launch import run_multiprocess
 
 JOBS_DP2 = [dict(ep=1), dict(ep=2), dict(ep=2, replay="r3", observe=True, recompute=True), dict(ep=2, replay="r2"),
-            dict(tp=2, sp=True), dict(tp=2, sp=True, replay="r3", recompute=True)]
+            dict(tp=2, sp=True), dict(tp=2, sp=True, replay="r3", recompute=True),
+            dict(tp=2, sp=True, replay="r2", observe=True, recompute=True)]
 JOBS_DP1 = [dict(), dict(replay="r3", observe=True, recompute=True), dict(replay="r2")]
 
 
@@ -17,7 +18,7 @@ def _maxdiff(a, b):
 
 @pytest.fixture(scope="module")
 def runs():
-    dp2 = run_multiprocess(w.moe_train_worker, 2, args=(JOBS_DP2,), timeout=560)
+    dp2 = run_multiprocess(w.moe_train_worker, 2, args=(JOBS_DP2,), timeout=620)
     dp1 = run_multiprocess(w.moe_train_worker, 1, args=(JOBS_DP1,), timeout=300)[0]
     return dp2, dp1
 
@@ -84,3 +85,25 @@ def test_r2_replays_the_step_start_routing(runs):
         assert m["routing/mismatch"] == 0.0 and m["routing/replayed_tokens"] > 0
         assert m["routing/logprob_mismatch_noreplay"] > 0
         assert _maxdiff(res["weights"], none["weights"]) <= 1e-6
+
+
+@pytest.mark.timeout(900)
+def test_r2_at_tp2_with_sequence_parallelism(runs):
+    """R2 at TP2 with sequence parallelism (each rank's routers record and replay only their half of each
+    row; the recording is gathered over TP into whole sequences): every token each rank's routers dispatch, in
+    the forward and in the full recompute, goes to the experts recorded for it; the two halves together
+    replay every token of the batch, as one rank does, with no mismatch, and the update is the unreplayed one."""
+    dp2, dp1 = runs
+    one_rank = dp1[2]["metrics"]["routing/replayed_tokens"]
+    for where in ("forward", "recompute"):
+        per_rank = [dp2[rank][6]["exact"][where] for rank in (0, 1)]
+        for n_target, n_equal in per_rank:
+            assert n_target > 0 and n_equal == n_target, (where, per_rank)
+        assert sum(n for n, _ in per_rank) == one_rank, (where, per_rank)
+    for rank in (0, 1):
+        res, none = dp2[rank][6], dp2[rank][4]
+        m = res["metrics"]
+        assert m["routing/mismatch"] == 0.0
+        assert m["routing/replayed_tokens"] == m["routing/replayed_tokens_recompute"] == one_rank
+        assert _maxdiff(res["weights"], none["weights"]) <= 1e-6
+        assert _maxdiff(res["weights"], dp1[2]["weights"]) <= 2e-5

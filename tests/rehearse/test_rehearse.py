@@ -85,6 +85,8 @@ def test_bad_input_exits_2_before_any_work(tmp_path):
     assert code == 2 and "model.hf_config" in out
     code, out = rehearse(Q17, "--max-microbatches", "0", timeout=120)
     assert code == 2 and "--max-microbatches" in out
+    code, out = rehearse(Q17, "--no-fake-cache", "--fake-cache-crosscheck", "4", timeout=120)
+    assert code == 2 and "--fake-cache-crosscheck 4" in out and "no cache to check" in out
 
 
 @pytest.mark.slow
