@@ -271,6 +271,14 @@ def _check_batches(cfg: DictConfig, errors: list[str]) -> None:
             errors.append(f"sequences per mini-batch = {per_update} prompts x rollout.n_samples_per_prompt "
                           f"{cfg.rollout.n_samples_per_prompt} = {seqs} must be divisible by "
                           f"parallel.data_parallel_size = {dp}")
+    # A sequence longer than a micro-batch can never be trained on: the rollout runner drops it as too_long
+    # (agents/runner.py), so every long response would be lost, a bias towards short answers.
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    if 0 < t.micro_batch_tokens < longest:  # a non-positive value is reported with the other counts
+        errors.append(f"train.micro_batch_tokens = {t.micro_batch_tokens} is below the longest sequence, "
+                      f"data.max_prompt_len {cfg.data.max_prompt_len} + rollout.max_new_tokens "
+                      f"{cfg.rollout.max_new_tokens} = {longest}: such samples would be dropped, never trained on; "
+                      f"raise train.micro_batch_tokens to at least {longest} (or lower the other two)")
     if s.mode == "on_policy" and (s.lag_steps or 0) > 0:
         errors.append("staleness.lag_steps > 0 needs staleness.mode = fixed_lag (on_policy means lag 0)")
     if s.mode == "bounded" and s.sync_interval > max(1, s.max_staleness):

@@ -213,6 +213,31 @@ def hf_to_megatron(hf_dir: str, out_dir: str, *, tensor_model_parallel_size: int
 
 # ---- Megatron -> HF --------------------------------------------------------------------------------------
 
+def meant_checkpoint(ckpt_dir: str) -> tuple[str, str] | None:
+    """(the dist checkpoint a user most likely meant, why) when `ckpt_dir` is a run's checkpoint directory
+    rather than one: checkpoints/step_N/ keeps it in step_N/megatron, and checkpoints/ holds the steps."""
+    inner = os.path.join(ckpt_dir, "megatron")
+    if os.path.isfile(os.path.join(inner, "metadata.json")):
+        return inner, "a run's step_N/ keeps it in step_N/megatron"
+    steps = []
+    if os.path.isdir(ckpt_dir):
+        for name in os.listdir(ckpt_dir):
+            num = name[len("step_"):]
+            if name.startswith("step_") and num.isdigit() and os.path.isfile(
+                    os.path.join(ckpt_dir, name, "megatron", "metadata.json")):
+                steps.append((int(num), name))
+    if steps:
+        return os.path.join(ckpt_dir, max(steps)[1], "megatron"), f"the latest of its {len(steps)} step checkpoints"
+    return None
+
+
+def not_a_checkpoint(ckpt_dir: str) -> FileNotFoundError:
+    """The error for a directory without metadata.json, with the directory meant where there is one."""
+    msg = f"{ckpt_dir} is not a Megatron dist checkpoint (no metadata.json)"
+    meant = meant_checkpoint(ckpt_dir)
+    return FileNotFoundError(f"{msg}; did you mean {meant[0]}? ({meant[1]})" if meant else msg)
+
+
 def ckpt_tensor_meta(ckpt_dir: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor's global shape and dtype in a torch_dist checkpoint, from its metadata (no tensor is read)."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -230,7 +255,7 @@ def check_readable(ckpt_dir: str) -> None:
 
     mj = os.path.join(ckpt_dir, "metadata.json")
     if not os.path.isfile(mj):
-        raise FileNotFoundError(f"{ckpt_dir} is not a Megatron dist checkpoint (no metadata.json)")
+        raise not_a_checkpoint(ckpt_dir)
     hint = "the checkpoint is damaged; restore it or use another one"
     try:
         with open(mj, encoding="utf-8") as f:
@@ -270,7 +295,7 @@ def validate_megatron_checkpoint(spec: HFModelSpec, ckpt_dir: str, model) -> Non
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
     if not check_is_distributed_checkpoint(ckpt_dir):
-        raise FileNotFoundError(f"{ckpt_dir} is not a Megatron dist checkpoint (no metadata.json)")
+        raise not_a_checkpoint(ckpt_dir)
     have = ckpt_tensor_meta(ckpt_dir)
     want = {}
     sd = model.sharded_state_dict()
@@ -329,13 +354,15 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, hf_config: str | None = None,
     checkpoint's."""
     from m2po_megatron.convert.hf_writer import ShardedSafetensorsWriter
 
+    if not os.path.isfile(os.path.join(ckpt_dir, "metadata.json")) and meant_checkpoint(ckpt_dir):
+        raise not_a_checkpoint(ckpt_dir)  # a run's step directory: say so before asking for its HF config
     cfg_dir = find_hf_config_dir(ckpt_dir, hf_config)
     check_readable(ckpt_dir)
     spec = read_hf_config(cfg_dir)
     from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
 
     if not check_is_distributed_checkpoint(ckpt_dir):
-        raise FileNotFoundError(f"{ckpt_dir} is not a Megatron dist checkpoint (no metadata.json)")
+        raise not_a_checkpoint(ckpt_dir)
     meta = ckpt_tensor_meta(ckpt_dir)
     emb = meta.get("embedding.word_embeddings.weight")
     ckpt_dtype = emb[1] if emb else torch.float32

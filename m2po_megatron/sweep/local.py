@@ -173,10 +173,11 @@ def _hms(s: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def run_local(sweep_path: str | Path, parallel: int = 1, out=sys.stdout, poll_s: float = 2.0,
+def run_local(sweep_path: str | Path, parallel: int = 1, out=None, poll_s: float = 2.0,
               report_every_s: float = 60.0, dry_run: bool = False) -> int:
     """Run the sweep's unfinished runs here, `parallel` at a time (dry_run: print each run's state and
     command). Returns the number of runs that are not finished (0 = all finished)."""
+    out = out or sys.stdout  # read at call time: a default bound at import keeps a replaced stdout
     if parallel < 1:
         raise SweepError(f"-j {parallel}: give at least 1 run at a time")
     sweep = load_sweep(sweep_path)

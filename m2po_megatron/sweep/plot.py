@@ -10,7 +10,8 @@ from typing import Optional, Sequence, Union
 
 from m2po_megatron.run.metrics import read_metrics
 
-__all__ = ["DEFAULT_PANELS", "DIAGNOSTICS", "ci_band", "plot_groups", "plot_runs", "read_metrics_file"]
+__all__ = ["DEFAULT_PANELS", "DIAGNOSTICS", "ci_band", "palette", "plot_groups", "plot_runs", "read_metrics_file",
+           "runs_figure", "series_colors"]
 
 PathLike = Union[str, Path]
 
@@ -77,10 +78,29 @@ def _labels(paths: list[Path]) -> list[str]:
     return [f"{p.parent.parent.name}/{p.parent.name}" for p in paths]
 
 
-def plot_runs(run_dirs: Sequence[PathLike], out_path: PathLike, keys: Optional[Sequence[str]] = None) -> Path:
-    """Write a PNG with one panel per metric group against step, each run a colour (labelled by its
-    directory name). `keys`: one panel per entry, each a key or a glob such as 'eval/*/pass@1'; default:
-    reward/mean, eval/avg (else eval/*/pass@1), staleness/mean and /max, skipping panels without data."""
+def palette(n: int) -> list:
+    """n distinct colours: matplotlib's default cycle while it has enough (the usual look), then tab20, then
+    evenly spaced hues of a colormap, so that no two series drawn together ever share a colour."""
+    import matplotlib
+
+    cycle = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    if n <= len(cycle):
+        return list(cycle[:max(n, 1)])
+    if n <= 20:
+        return [matplotlib.colormaps["tab20"](i) for i in range(n)]
+    return [matplotlib.colormaps["hsv"](i / n) for i in range(n)]
+
+
+def series_colors(n_runs: int, n_keys: int, colors: Sequence) -> list[list]:
+    """colors[r][j] for run r's key j in a panel of n_keys keys: a run's first key keeps the run's own colour
+    (colors[r], the same in every panel), its other keys take colours after all the runs' (so every series of
+    a panel has its own). `colors` needs n_runs x n_keys entries (see palette)."""
+    return [[colors[r] if j == 0 else colors[n_runs + r * (n_keys - 1) + j - 1] for j in range(n_keys)]
+            for r in range(n_runs)]
+
+
+def runs_figure(run_dirs: Sequence[PathLike], keys: Optional[Sequence[str]] = None):
+    """The matplotlib Figure plot_runs saves (one axis per panel); the caller closes it."""
     if not run_dirs:
         raise ValueError("plot_runs: give at least one run directory")
     paths = [_metrics_path(r) for r in run_dirs]
@@ -115,10 +135,11 @@ def plot_runs(run_dirs: Sequence[PathLike], out_path: PathLike, keys: Optional[S
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    styles = ["-", "--", ":", "-."]
+    styles = ["-", "--", ":", "-."]  # by key as well, for print in grey
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 3.2 * len(panels)), sharex=True, squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = palette(len(data) * max(len(ks) for _, ks in panels))
     for ax, (title, ks) in zip(axes[:, 0], panels):
+        by_series = series_colors(len(data), len(ks), colors)
         for r, (series, label) in enumerate(zip(data, labels)):
             for j, k in enumerate(ks):
                 pts = sorted((s, v) for s, v in series.get(k, {}).items() if math.isfinite(v))
@@ -126,13 +147,24 @@ def plot_runs(run_dirs: Sequence[PathLike], out_path: PathLike, keys: Optional[S
                     continue
                 xs, ys = zip(*pts)
                 name = label if len(ks) == 1 else f"{label}: {k}"
-                ax.plot(xs, ys, styles[j % len(styles)], color=colors[r % len(colors)], label=name,
+                ax.plot(xs, ys, styles[j % len(styles)], color=by_series[r][j], label=name,
                         marker="o" if len(xs) < 30 else None, markersize=3)
         ax.set_title(title if len(ks) > 1 or title == ks[0] else f"{title}: {ks[0]}", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
+    return fig
+
+
+def plot_runs(run_dirs: Sequence[PathLike], out_path: PathLike, keys: Optional[Sequence[str]] = None) -> Path:
+    """Write a PNG with one panel per metric group against step, each run a colour (labelled by its
+    directory name) and every series of a panel a colour of its own. `keys`: one panel per entry, each a key
+    or a glob such as 'eval/*/pass@1'; default: reward/mean, eval/avg (else eval/*/pass@1), staleness/mean
+    and /max, skipping panels without data."""
+    import matplotlib.pyplot as plt
+
+    fig = runs_figure(run_dirs, keys)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
@@ -194,7 +226,7 @@ def plot_groups(groups, out_dir: PathLike, smooth: int = 5) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out_dir = Path(out_dir)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = palette(len(groups))  # one per group, never repeated however many groups
     multi_model = len({g.model for g in groups}) > 1
 
     def name(g):
@@ -203,7 +235,7 @@ def plot_groups(groups, out_dir: PathLike, smooth: int = 5) -> list[Path]:
     paths = []
     fig, axes = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True)
     for i, g in enumerate(groups):
-        c = colors[i % len(colors)]
+        c = colors[i]
         accs = [{s: row["avg"] for s, row in r.evals.items() if "avg" in row} for r in g.runs]
         for a in accs:
             if a:
@@ -232,7 +264,7 @@ def plot_groups(groups, out_dir: PathLike, smooth: int = 5) -> list[Path]:
         ax.set_visible(False)
     for ax, (title, key, log) in zip(axes.flat, diags):
         for i, g in enumerate(groups):
-            _band(ax, [_smooth(r.series.get(key, {}), smooth) for r in g.runs], colors[i % len(colors)], name(g),
+            _band(ax, [_smooth(r.series.get(key, {}), smooth) for r in g.runs], colors[i], name(g),
                   log=log, linewidth=1.2)
         ax.set_title(f"{title} ({key}; mean, 95 % CI)", fontsize=9)
         if log:
