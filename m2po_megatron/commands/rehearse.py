@@ -31,7 +31,7 @@ def register(sub) -> None:
     p.add_argument("--max-microbatches", type=int, default=None, metavar="N",
                    help="fewer sequences, so that each data-parallel rank runs about N micro-batches (default: "
                         "the whole optimizer mini-batch, 1-2 minutes a dense paper recipe on 2 cores; the peak "
-                        "needs only as many as the pipeline keeps in flight; a mixture-of-experts recipe runs its "
+                        "needs only as many as the pipeline keeps in flight, so N below the pipeline depth is raised to it; a mixture-of-experts recipe runs its "
                         "experts one by one and needs this)")
     p.add_argument("--no-fake-cache", action="store_true",
                    help="torch's fake-tensor dispatch cache alone, without the rehearsal's first-level cache "
@@ -66,7 +66,13 @@ def run(args) -> int:
     p = cfg.parallel
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
     world = tp * pp * dp * p.context_parallel_size
-    seqs = minibatch_seqs(cfg, args.max_microbatches, seed=args.seed)
+    max_mb = args.max_microbatches
+    if max_mb is not None and max_mb < pp:
+        # 1F1B keeps up to PP micro-batches in flight on the first stage: fewer would trace a smaller peak than
+        # the step's, and the estimate at the traced settings would not be comparable
+        print(f"--max-microbatches {max_mb} raised to the pipeline depth, {pp}: the peak needs that many")
+        max_mb = pp
+    seqs = minibatch_seqs(cfg, max_mb, seed=args.seed)
     full = minibatch_seqs(cfg)
     results = run_roles(kw, world_size=world, tp=tp, dp=dp, pp=pp, seqs=seqs,
                         max_new_tokens=cfg.rollout.max_new_tokens, jobs=args.jobs, timeout_s=args.timeout_s,
