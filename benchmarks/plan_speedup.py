@@ -35,8 +35,8 @@ def main() -> None:
                      f"{lay.num_servers} x TP{lay.rollout_tp}", c.predicted))
     base, cot = rows[0][1], co.predicted["tokens_per_s"]
     print(f"{args.recipe} on {args.gpus} x {args.gpu}")
-    print("| mode | trainer GPUs | rollout | tokens/s | vs on_policy | vs colocated on-policy | idle T/R % | "
-          "staleness mean |")
+    print("| mode | trainer GPUs | rollout | tokens/s | vs on_policy | vs colocated on-policy | "
+          "trainer / rollout idle % | staleness mean |")
     print("|---|---|---|---|---|---|---|---|")
     for label, tps, tr, ro, p in rows:
         print(f"| {label} | {tr} | {ro} | {tps:.0f} | {tps / base:.2f}x | {tps / cot:.2f}x | "

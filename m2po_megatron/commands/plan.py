@@ -37,6 +37,9 @@ def register(sub) -> None:
     p.add_argument("--top", type=int, default=8, help="distinct layouts to show (default 8)")
     p.add_argument("--seeds", type=int, default=3, help="simulations per layout, each with its own lengths "
                                                         "(default 3)")
+    p.add_argument("--within", type=float, default=None, metavar="PERCENT",
+                   help="also show the smallest cluster (fewer GPUs than --gpus) whose best layout is within this "
+                        "many percent of the fastest's tokens/s (default 5)")
     p.add_argument("--exhaustive", action="store_true",
                    help="simulate every layout, pruning none (the brute force the search is tested against)")
     p.add_argument("--format", default="table", choices=("table", "json"))
@@ -179,7 +182,8 @@ def _predict_run(args) -> int:
         err = "" if r["error"] is None else (f"{r['error']:+.2f}" if k.startswith("staleness")
                                              else f"{100 * r['error']:+.1f} %")
         print(f"  {k:16s} {r['predicted']:10.3f} {r['measured']:10.3f} {err:>8s}")
-    print(f"  predicted idle: trainer {100 * pred['trainer_idle_frac']:.1f} %, rollout "
+    print(f"  predicted idle, as a share of the measured steps' time: the trainer waiting for a batch "
+          f"{100 * pred['trainer_idle_frac']:.1f} %, a rollout server decoding nothing "
           f"{100 * pred['rollout_idle_frac']:.1f} %")
     return 0
 
@@ -205,8 +209,13 @@ def _plan(args) -> int:
     gpu = args.gpu or "h100"
     if args.top < 1:
         return _fail(f"--top {args.top}: give at least 1")
+    from m2po_megatron.plan.search import WITHIN
+
+    within = WITHIN if args.within is None else args.within
+    if not 0 <= within < 100:
+        return _fail(f"--within {within}: give a percentage in [0, 100), e.g. 5")
     res = plan(cfg, args.gpus, args.gpus_per_node, gpu, steps=args.steps, seeds=args.seeds, top=args.top,
-               efficiency=efficiency, exhaustive=args.exhaustive)
+               efficiency=efficiency, exhaustive=args.exhaustive, within=within)
     ranked = res["ranked"]
     if not ranked:
         return _fail(f"no layout of {args.gpus} x {gpu} fits this recipe ({res['layouts']} tried, "
@@ -217,10 +226,18 @@ def _plan(args) -> int:
     if args.format == "json":
         print(json.dumps({"recipe": args.target, "gpus": args.gpus, "gpu": gpu,
                           **{k: res[k] for k in ("layouts", "over_memory", "skipped", "classes", "simulated",
-                                                 "pruned")},
+                                                 "pruned", "seconds")},
                           "ranked": [{"layout": vars(c.layout), "overrides": c.overrides,
                                       "memory_gb": c.memory_gb, "predicted": c.predicted,
+                                      "gpus": c.layout.trainer_gpus + c.layout.rollout_gpus,
+                                      "tokens_per_s_per_gpu": per_gpu(c),
                                       "equivalent": [vars(e.layout) for e in c.equivalent]} for c in ranked],
+                          "smallest": None if res["smallest"] is None else {
+                              "gpus": res["smallest"]["gpus"], "within_percent": res["smallest"]["within"],
+                              "layout": vars(res["smallest"]["candidate"].layout),
+                              "overrides": res["smallest"]["candidate"].overrides,
+                              "predicted": res["smallest"]["candidate"].predicted,
+                              "tokens_per_s_per_gpu": per_gpu(res["smallest"]["candidate"])},
                           "colocated": None if res["colocated"] is None else {
                               "layout": vars(res["colocated"].layout), "overrides": res["colocated"].overrides,
                               "memory_gb": res["colocated"].memory_gb, "predicted": res["colocated"].predicted}},
@@ -232,12 +249,24 @@ def _plan(args) -> int:
     return 0
 
 
+def per_gpu(c, gpus: Optional[int] = None) -> float:
+    """Predicted tokens/s per GPU held (what a user pays for): over the trainer's and the servers' GPUs, or
+    `gpus` (a colocated layout's trainer and servers share theirs)."""
+    return c.predicted["tokens_per_s"] / (gpus or c.layout.trainer_gpus + c.layout.rollout_gpus)
+
+
+IDLE_NOTE = ("trainer idle %: the share of each measured step (after the warm-up) that the trainer GPUs wait for "
+             "rollouts (not training, not recomputing log-probs, not pushing weights); rollout idle %: the share "
+             "of the same time a rollout server decodes nothing (waiting for the trainer, paused for a weight "
+             "push, or out of requests), the mean over servers")
+
+
 def format_plan(res: dict, recipe: str, gpus: int, gpu: str) -> str:
     head = (f"{recipe} on {gpus} x {gpu}: {res['layouts']} layouts, {res['over_memory']} over memory, "
             f"{sum(res['skipped'].values())} refused by validation; {res['classes']} distinct predictions, "
             f"{res['simulated']} simulated, {res['pruned']} pruned by their upper bound")
-    cols = ("rank", "train GPUs", "TPxPPxDP", "rollout", "sync int", "tokens/s (sd)", "mem GiB/GPU", "steps/h",
-            "idle T/R %", "stale mean/max", "sync s")
+    cols = ("rank", "train GPUs", "TPxPPxDP", "rollout", "sync int", "tokens/s (sd)", "mem GiB/GPU", "tokens/s/GPU",
+            "steps/h", "trainer idle %", "rollout idle %", "stale mean/max", "sync s")
     lines = [head, " | ".join(cols), " | ".join("-" * len(c) for c in cols)]
     for i, c in enumerate(res["ranked"], 1):
         lay, p = c.layout, c.predicted
@@ -246,13 +275,14 @@ def format_plan(res: dict, recipe: str, gpus: int, gpu: str) -> str:
             f"{i}{'~' if p.get('tied_with_best') else ''}", str(lay.trainer_gpus),
             f"{lay.tp}x{lay.pp}x{lay.dp}{same}", f"{lay.num_servers} x TP{lay.rollout_tp}",
             str(c.overrides.get("staleness.sync_interval", "-")),
-            f"{p['tokens_per_s']:.0f} ({p['tokens_per_s_sd']:.0f})", f"{c.memory_gb:.1f}",
-            f"{p['steps_per_hour']:.1f}", f"{100 * p['trainer_idle_frac']:.0f}/{100 * p['rollout_idle_frac']:.0f}",
+            f"{p['tokens_per_s']:.0f} ({p['tokens_per_s_sd']:.0f})", f"{c.memory_gb:.1f}", f"{per_gpu(c):.0f}",
+            f"{p['steps_per_hour']:.1f}", f"{100 * p['trainer_idle_frac']:.0f}", f"{100 * p['rollout_idle_frac']:.0f}",
             f"{p['staleness_mean']:.1f}/{p['staleness_max']}", f"{p['sync_s']:.1f}"]))
     ties = [i for i, c in enumerate(res["ranked"], 1) if c.predicted.get("tied_with_best")]
     if ties:
         lines.append(f"~ ranks {', '.join(map(str, ties))} are not separable from the best: ranked by memory, least "
                      "first")
+    lines += smallest_lines(res, gpus)
     lines += colocated_lines(res)
     for i, c in enumerate(res["ranked"], 1):
         if c.equivalent:
@@ -263,12 +293,32 @@ def format_plan(res: dict, recipe: str, gpus: int, gpu: str) -> str:
     lines.append(f"tokens/s: the mean over {n} simulations with their own response lengths, (sd) their standard "
                  "deviation; two layouts are not separable when their throughputs differ by less than 1 % or "
                  "than two standard errors of their seed-by-seed difference; mem GiB/GPU: "
-                 "the trainer's memory estimate per GPU (models/memory.py); idle T/R %: the share of the "
-                 "simulated wall time, after the warm-up steps, that the trainer (T) is not training and a "
-                 "rollout server (R, the mean over servers) has no request in flight")
+                 "the trainer's memory estimate per GPU (models/memory.py); tokens/s/GPU: over every GPU of the "
+                 f"layout, trainer's and servers'; {IDLE_NOTE}")
     for reason, k in res["skipped"].items():
         lines.append(f"refused by validation ({k} layouts): {reason}")
     return "\n".join(lines)
+
+
+def smallest_lines(res: dict, gpus: int) -> list[str]:
+    """The smallest cluster within --within % of rank 1 (plan/search.smallest), beside it."""
+    sm = res.get("smallest")
+    if sm is None or not res["ranked"]:
+        return []
+    c, best = sm["candidate"], res["ranked"][0]
+    if sm["gpus"] == gpus:
+        return [f"smallest within {sm['within']:g} % of rank 1: all {gpus} GPUs (no smaller cluster of the "
+                f"{sm['sizes']} sizes searched, 2 to {gpus - 1} GPUs, reaches {sm['target_tokens_per_s']:.0f} "
+                "tokens/s)"]
+    lay, p = c.layout, c.predicted
+    ratio = p["tokens_per_s"] / best.predicted["tokens_per_s"]
+    return [f"smallest within {sm['within']:g} % of rank 1: {sm['gpus']} GPUs, trainer {lay.trainer_gpus} "
+            f"({lay.tp}x{lay.pp}x{lay.dp}) and {lay.num_servers} x TP{lay.rollout_tp}"
+            + (f", sync {c.overrides['staleness.sync_interval']}" if "staleness.sync_interval" in c.overrides else "")
+            + f": {p['tokens_per_s']:.0f} ({p['tokens_per_s_sd']:.0f}) tokens/s, {ratio:.2f}x rank 1 on "
+            f"{sm['gpus'] / gpus:.2f}x its GPUs, {per_gpu(c):.0f} tokens/s/GPU against {per_gpu(best):.0f}; trainer "
+            f"idle {100 * p['trainer_idle_frac']:.0f} %, rollout idle {100 * p['rollout_idle_frac']:.0f} %; "
+            f"overrides: {' '.join(c.dotted())}"]
 
 
 def colocated_lines(res: dict) -> list[str]:
@@ -278,8 +328,8 @@ def colocated_lines(res: dict) -> list[str]:
         return ["colocated (every GPU generates, then trains): no trainer layout fits on its own"]
     p, lay = co.predicted, co.layout
     line = (f"colocated (every GPU generates, then trains, as verl's and slime's hybrid engine; "
-            f"{co.overrides['staleness.mode']}): {p['tokens_per_s']:.0f} ({p['tokens_per_s_sd']:.0f}) tokens/s with "
-            f"trainer {lay.tp}x{lay.pp}x{lay.dp} and {lay.num_servers} x TP{lay.rollout_tp}, {p['swap_s']:.1f} s "
+            f"{co.overrides['staleness.mode']}): {p['tokens_per_s']:.0f} ({p['tokens_per_s_sd']:.0f}) tokens/s "
+            f"({per_gpu(co, lay.trainer_gpus):.0f} per GPU) with trainer {lay.tp}x{lay.pp}x{lay.dp} and {lay.num_servers} x TP{lay.rollout_tp}, {p['swap_s']:.1f} s "
             "of memory swap per step")
     if res["ranked"]:
         ratio = p["tokens_per_s"] / res["ranked"][0].predicted["tokens_per_s"]

@@ -27,7 +27,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from m2po_megatron.plan.costs import Layout
 from m2po_megatron.plan.hardware import EFFICIENCY, GPUS
+from m2po_megatron.plan.bound import margin, upper_bound
+from m2po_megatron.plan.runs import mean_of, simulate_all, workers
 from m2po_megatron.plan.sim import LengthDist
+from m2po_megatron.plan.space import (SIZES, Candidate, expert_overrides, expert_sizes, layout_costs,
+                                      spec_from_config, trainer_memory)
 
 __all__ = ["colocated", "swap_s"]
 
@@ -39,14 +43,12 @@ def swap_s(state_gib: float, gpu: str, efficiency: Optional[dict] = None) -> flo
 
 def colocated(cfg: DictConfig, gpus: int, gpus_per_node: int, gpu: str, *, seeds: int, measured: int,
               response: Optional[LengthDist] = None, prompt_len: Optional[int] = None,
-              efficiency: Optional[dict] = None, seed: int = 0):
-    """The best colocated layout of `gpus` as a search.Candidate (simulated over `seeds` seeds), or None when
+              efficiency: Optional[dict] = None, seed: int = 0, pool=None):
+    """The best colocated layout of `gpus` as a space.Candidate (simulated over `seeds` seeds), or None when
     no trainer layout fits the GPU's memory. The trainer layout is the one whose step (training and swap) is
-    the shortest, then the least memory; each rollout TP is simulated."""
+    the shortest, then the least memory; each rollout TP is simulated unless its upper bound rules it out."""
     from m2po_megatron.config import model_hf_config
     from m2po_megatron.models.memory import model_shape, param_count
-    from m2po_megatron.plan.search import (SIZES, Candidate, _expert_overrides, _mean_of, _simulate_all,
-                                           expert_sizes, layout_costs, spec_from_config, trainer_memory)
 
     mode = cfg.staleness.mode if cfg.staleness.mode in ("on_policy", "fixed_lag") else "on_policy"
     c = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"staleness.mode={mode}"]))
@@ -84,7 +86,7 @@ def colocated(cfg: DictConfig, gpus: int, gpus_per_node: int, gpu: str, *, seeds
         cand = Candidate(lay, {"staleness.mode": mode, "parallel.tensor_model_parallel_size": lay.tp,
                                "parallel.pipeline_model_parallel_size": lay.pp, "parallel.data_parallel_size": lay.dp,
                                "rollout.tp_size": rtp, "rollout.num_servers": lay.num_servers,
-                               **_expert_overrides(hf, lay.tp, lay.ep)}, est["total"])
+                               **expert_overrides(hf, lay.tp, lay.ep)}, est["total"])
         cand.spec = spec_from_config(c, num_servers=lay.num_servers, response=response, prompt_len=prompt_len)
         # the weights reach the engine in place: the sync's NVLink path
         base = layout_costs(c, shape, params, lay, gpu, cand.spec, gpus_per_node, efficiency, same_node_sync=True)
@@ -92,8 +94,20 @@ def colocated(cfg: DictConfig, gpus: int, gpus_per_node: int, gpu: str, *, seeds
                              source=base.source + f"; colocated, {swap:.2f} s of memory swap per step")
         cand.predicted["swap_s"] = swap
         cands.append(cand)
-    for cand, runs in zip(cands, _simulate_all([(x.spec, x.costs) for x in cands], measured, seed, seeds)):
-        cand.predicted.update(_mean_of(runs))
-        cand.predicted["sync_s"] = cand.costs.sync_s()
-    return max(cands, key=lambda x: x.predicted["tokens_per_s"]) if cands else None
+    # by upper bound, a batch per core at a time; a rollout TP whose bound (with its margin) is below the best
+    # simulated one cannot be the best, nor can any after it (plan/bound.py)
+    bound = {id(x): upper_bound(x.spec, x.costs, measured) for x in cands}
+    cands.sort(key=lambda x: -bound[id(x)])
+    done: list = []
+    while cands:
+        best = max((x.predicted["tokens_per_s"] for x in done), default=0.0)
+        if bound[id(cands[0])] * (1 + margin(cands[0].spec, measured, seeds)) < best:
+            break
+        batch, cands = cands[:workers()], cands[workers():]
+        for cand, runs in zip(batch, simulate_all([(x.spec, x.costs) for x in batch], measured, seed, seeds,
+                                                     pool=pool)):
+            cand.predicted.update(mean_of(runs))
+            cand.predicted["sync_s"] = cand.costs.sync_s()
+            done.append(cand)
+    return max(done, key=lambda x: x.predicted["tokens_per_s"]) if done else None
 

@@ -76,22 +76,32 @@ class SimSpec:
 
 @dataclass
 class SimResult:
-    steps: list[dict]  # per step: t_end, step_s, wait_s, train_s, sync_s, staleness_mean, staleness_max, tokens
-    server_busy_s: list[float]
+    # per step: t_end, step_s, wait_s, train_s, sync_s, tokens, samples, recompute_tokens and recompute_s (the
+    # trainer's log-prob pass inside the wait, sync modes), server_busy_s (the servers' busy seconds summed,
+    # cumulative), staleness_mean, staleness_max
+    steps: list[dict]
+    server_busy_s: list[float]  # per server, over the whole run
     window_s: float
     skip: int
 
     def summary(self) -> dict:
-        rows = self.steps[self.skip:] or self.steps
+        """Means over the measured steps (after `skip`). trainer_idle_frac: the share of their wall time the
+        trainer waits for a batch (not training, not making its log-prob pass, not pushing weights);
+        rollout_idle_frac: the share of it a server decodes nothing (paused for a push, or nothing to do),
+        the mean over servers."""
+        first = self.skip if self.skip < len(self.steps) else 0
+        rows = self.steps[first:]
         span = sum(r["step_s"] for r in rows)
         mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
         tokens = sum(r["tokens"] for r in rows)
+        busy = rows[-1]["server_busy_s"] - (self.steps[first - 1]["server_busy_s"] if first else 0.0)
+        waiting = sum(r["wait_s"] - r["recompute_s"] for r in rows)
         return {"step_s": mean("step_s"), "wait_s": mean("wait_s"), "train_s": mean("train_s"),
                 "sync_s": mean("sync_s"), "tokens_per_s": tokens / span if span else 0.0,
                 "steps_per_hour": 3600 * len(rows) / span if span else 0.0,
-                "trainer_idle_frac": 1 - sum(r["train_s"] for r in rows) / span if span else 0.0,
-                "rollout_idle_frac": 1 - sum(self.server_busy_s) / (len(self.server_busy_s) * self.window_s)
-                if self.window_s else 0.0,
+                "trainer_idle_frac": waiting / span if span else 0.0,
+                "rollout_idle_frac": 1 - busy / (len(self.server_busy_s) * span) if span and self.server_busy_s
+                else 0.0,
                 "staleness_mean": sum(r["staleness_mean"] * r["samples"] for r in rows) / max(
                     sum(r["samples"] for r in rows), 1),
                 "staleness_max": max(r["staleness_max"] for r in rows)}
@@ -101,17 +111,32 @@ class _Clock:
     """Events in work time (`now`: seconds of work done by a component running alone), and the wall time they
     take (`wall`). Between events the set of busy components is fixed, so every busy one runs at
     Costs.speed(number busy) and work time maps to wall time piecewise; with dedicated devices the two are equal.
-    Each component's wall-clock busy time is summed here."""
+    Components report their own transitions (`became`), so an event costs O(1), not O(components): a plan
+    simulates dozens of servers over tens of thousands of events."""
 
     def __init__(self, speed: Callable[[int], float] = lambda n: 1.0):
         self.now = 0.0
         self.wall = 0.0
         self.speed = speed
-        self.components: list = []  # objects with busy() -> bool and a busy_wall float
+        self.busy_count = 0  # components busy now
         self.completions = 0  # requests answered so far: the generator's state changes only when this does
         self._events: list = []
         self._seq = itertools.count()
         self.after_event: Optional[Callable[[], None]] = None
+
+    def became(self, c, busy: bool) -> None:
+        """Component `c` (with busy_wall and since floats) turned busy or idle now; its wall-clock busy time
+        is summed interval by interval."""
+        if busy:
+            c.since = self.wall
+            self.busy_count += 1
+        else:
+            c.busy_wall += self.wall - c.since
+            self.busy_count -= 1
+
+    def busy_wall(self, c, busy: bool) -> float:
+        """`c`'s wall-clock busy time so far, its open interval included."""
+        return c.busy_wall + (self.wall - c.since if busy else 0.0)
 
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn))
@@ -119,11 +144,7 @@ class _Clock:
     def _move(self, t: float) -> None:
         if t <= self.now:
             return
-        busy = [c for c in self.components if c.busy()]
-        dw = (t - self.now) / self.speed(len(busy))
-        for c in busy:
-            c.busy_wall += dw
-        self.wall += dw
+        self.wall += (t - self.now) / self.speed(self.busy_count)
         self.now = t
 
     def run_next(self) -> bool:
@@ -146,15 +167,14 @@ class _Busy:
     """The trainer (or the loop's own work): busy while `on`."""
 
     def __init__(self):
-        self.on, self.busy_wall = False, 0.0
-
-    def busy(self) -> bool:
-        return self.on
+        self.on, self.busy_wall, self.since = False, 0.0, 0.0
 
     def work(self, clock: _Clock, seconds: float) -> None:
         self.on = True
+        clock.became(self, True)
         clock.run_until(clock.now + seconds)
         self.on = False
+        clock.became(self, False)
 
 
 class _Future:
@@ -209,12 +229,9 @@ class _Server:
         self.version = 0
         self.epoch = 0  # invalidates scheduled completions
         self.inflight = 0  # samples sent and not answered (the client's view)
-        self.busy_wall = 0.0  # summed by the clock
+        self.busy, self.busy_wall, self.since = False, 0.0, 0.0  # decoding (not paused, sequences running)
+        self.due = (0, 0.0)  # the scheduled completion's decode steps and time
         self._ids = itertools.count()
-        clock.components.append(self)
-
-    def busy(self) -> bool:
-        return not self.paused and bool(self.running)
 
     def _advance(self, now: float) -> None:
         """Bring step/kv to the last whole decode step finished by `now`."""
@@ -232,12 +249,19 @@ class _Server:
         self.t = start + dt
 
     def _schedule(self) -> None:
+        """Schedule the next completion; every change of state ends here, so this is where the server tells
+        the clock that it turned busy or idle."""
         self.epoch += 1
-        if self.paused or not self.running:
+        busy = not self.paused and bool(self.running)
+        if busy != self.busy:
+            self.busy = busy
+            self.clock.became(self, busy)
+        if not busy:
             return
         b = len(self.running)
         k = self.running[0][0] - self.step
         t = max(self.t, self.ready) + self.c.decode_s(k, b, self.kv)
+        self.due = (k, t)
         epoch = self.epoch
         self.clock.at(t, lambda: self._on_finish(epoch))
 
@@ -264,7 +288,13 @@ class _Server:
     def _on_finish(self, epoch: int) -> None:
         if epoch != self.epoch:
             return
-        self._advance(self.clock.now)
+        k, t = self.due
+        if k > 0:  # nothing changed since it was scheduled: its k steps are done at t (what _advance finds)
+            self.step += k
+            self.kv += k * len(self.running)
+            self.t = t
+        else:
+            self._advance(self.clock.now)
         done = []
         while self.running and self.running[0][0] <= self.step:
             _, _, req, i, p, length, version = heapq.heappop(self.running)
@@ -344,7 +374,6 @@ def simulate(spec: SimSpec, costs: Costs, steps: int, seed: int = 0, skip: Optio
     rng = random.Random(seed)
     clock = _Clock(costs.speed)
     trainer = _Busy()
-    clock.components.append(trainer)
     max_running = max(1, min(costs.max_running, spec.max_concurrency))
     servers = [_Server(clock, costs, max_running) for _ in range(spec.num_servers)]
     maker = _Maker(clock, servers, spec, rng)
@@ -371,12 +400,17 @@ def simulate(spec: SimSpec, costs: Costs, steps: int, seed: int = 0, skip: Optio
 
         def recompute(groups):  # the trainer's pass over the batch, between generation and queueing
             tokens = sum(len(s.prompt_ids) + len(s.output_ids) for g in groups for s in g.samples)
+            w0 = clock.wall
             trainer.work(clock, tokens * costs.logprob_per_token_s)
+            passes[0] += tokens
+            passes[1] += clock.wall - w0
         gen = SyncGenerator(maker, _Prompts(), ledger, G, lag, recompute if spec.recompute_behaviour else None,
                             max_gen_batches=spec.max_gen_batches)
     version, rows = 0, []
+    passes = [0, 0.0]  # this step's log-prob recompute (sync modes): tokens, wall seconds
     for step in range(steps):
         t0 = clock.wall
+        passes[:] = [0, 0.0]
         if spec.mode == "bounded":
             while (groups := gen.take_batch()) is None:
                 answered = clock.completions  # a batch can form only once another request is answered
@@ -413,9 +447,11 @@ def simulate(spec: SimSpec, costs: Costs, steps: int, seed: int = 0, skip: Optio
         ledger.end_step(pending=gen.pending())
         rows.append({"t_end": clock.wall, "step_s": clock.wall - t0, "wait_s": t1 - t0, "train_s": t2 - t1,
                      "sync_s": t3 - t2, "tokens": tokens, "samples": len(samples),
+                     "recompute_tokens": passes[0], "recompute_s": passes[1],
+                     "server_busy_s": sum(clock.busy_wall(s, s.busy) for s in servers),
                      "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
                      "staleness_max": max(stale) if stale else 0})
     if skip is None:
         fill = math.ceil(spec.max_staleness / U) + 1 if spec.mode == "bounded" else 1
         skip = min(fill, steps // 2)
-    return SimResult(rows, [s.busy_wall for s in servers], clock.wall, skip)
+    return SimResult(rows, [clock.busy_wall(s, s.busy) for s in servers], clock.wall, skip)

@@ -6,10 +6,14 @@ import pytest
 
 from m2po_megatron.plan.bound import margin, moments, upper_bound
 from m2po_megatron.plan.costs import Costs
-from m2po_megatron.plan.search import _simulate
+from m2po_megatron.plan.runs import run_one, summarize
 from m2po_megatron.plan.sim import LengthDist, SimSpec
 
 MEASURED = 6
+
+
+def _simulate(sp, c, measured, seed):
+    return summarize(sp, run_one(sp, c, measured, seed))
 
 
 def _random_case(rng: random.Random) -> tuple[SimSpec, Costs]:

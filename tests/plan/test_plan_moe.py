@@ -86,7 +86,7 @@ def test_expert_gradients_reduce_over_expert_data_parallel():
 
 
 def test_the_search_tries_expert_parallel_sizes_with_etp_1():
-    from m2po_megatron.plan.search import expert_sizes, layouts
+    from m2po_megatron.plan.space import expert_sizes, layouts
 
     cfg = load_config(RECIPE, [], check_files=False)
     hf = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128}

@@ -7,8 +7,8 @@ from m2po_megatron.plan.search import plan
 
 def test_recommended_layouts_pass_m2po_config():
     cfg = load_config("recipes/paper/qwen3-8b-base.yaml", [], check_files=False)
-    res = plan(cfg, 16, top=3, seeds=2, steps=3)
-    assert res["ranked"] and res["layouts"] >= len(res["ranked"])
+    res = plan(cfg, 16, top=3, seeds=2, steps=3, within=None)
+    assert res["ranked"] and res["layouts"] >= len(res["ranked"]) and res["smallest"] is None
     tps = [c.predicted["tokens_per_s"] for c in res["ranked"]]
     assert all(b <= a * 1.01 for a, b in zip(tps, tps[1:])) and all(t > 0 for t in tps)  # equal to 3 figures: ties
     for c in res["ranked"]:
@@ -64,11 +64,17 @@ def test_a_refused_split_names_its_whole_reason_and_the_table_says_what_idle_is(
     err = check(cfg, {"parallel.tensor_model_parallel_size": 3})
     assert "parallel.tensor_model_parallel_size = 3" in err and err.endswith("must sit on one node"), err
     assert "invalid config" not in err
-    res = plan(cfg, 16, 8, "h100", top=2, seeds=2, steps=3)
+    res = plan(cfg, 16, 8, "h100", top=2, seeds=2, steps=3, within=None)
     text = format_plan(res, "qwen3-8b", 16, "h100")
     header = text.splitlines()[1].split(" | ")
     assert header.index("mem GiB/GPU") == header.index("tokens/s (sd)") + 1  # memory beside throughput
-    assert "idle T/R %: the share of the simulated wall time" in text
+    assert header.index("tokens/s/GPU") == header.index("mem GiB/GPU") + 1
+    assert "trainer idle %: the share of each measured step (after the warm-up) that the trainer GPUs wait" in text
+    row = text.splitlines()[3].split(" | ")
+    best = res["ranked"][0]
+    assert float(row[header.index("tokens/s/GPU")]) == pytest.approx(best.predicted["tokens_per_s"] / 16, abs=0.5)
+    assert float(row[header.index("trainer idle %")]) == pytest.approx(100 * best.predicted["trainer_idle_frac"],
+                                                                       abs=0.5)
 
 
 SMALL = ["train.prompts_per_step=16", "rollout.max_new_tokens=2048", "data.max_prompt_len=512"]
@@ -77,7 +83,7 @@ ASYNC = ["staleness.mode=bounded", "staleness.lag_steps=0", "staleness.behav_log
 
 
 @pytest.mark.parametrize("recipe,gpus,per_node,mode,prunes", [
-    ("qwen3-8b-base", 16, 4, [], False), ("qwen3-8b-base", 16, 4, ASYNC, False), ("qwen3-8b-base", 24, 8, ASYNC, True),
+    ("qwen3-8b-base", 16, 4, [], False), ("qwen3-8b-base", 16, 4, ASYNC, True), ("qwen3-8b-base", 24, 8, ASYNC, True),
     ("qwen3-1.7b-base", 8, 8, [], True)])  # the last: one node split between trainer and servers
 def test_the_search_finds_what_brute_force_finds(recipe, gpus, per_node, mode, prunes):
     """The pruned search against simulating every layout (same seeds, so a layout's prediction is the same in
@@ -87,8 +93,8 @@ def test_the_search_finds_what_brute_force_finds(recipe, gpus, per_node, mode, p
 
     cfg = load_config(f"recipes/paper/{recipe}.yaml", SMALL + mode, check_files=False)
     kw = dict(gpus_per_node=per_node, seeds=2, steps=3)
-    fast = plan(cfg, gpus, top=3, **kw)
-    brute = plan(cfg, gpus, top=10_000, exhaustive=True, **kw)
+    fast = plan(cfg, gpus, top=3, within=None, **kw)
+    brute = plan(cfg, gpus, top=10_000, exhaustive=True, within=None, **kw)
     assert brute["pruned"] == 0 and brute["simulated"] == len(brute["all"])
     assert 0 < fast["simulated"] <= brute["simulated"] <= fast["simulated"] + fast["pruned"]
     assert (fast["pruned"] > 0) == prunes  # where the bounds separate the layouts, the search saves simulations
@@ -112,7 +118,7 @@ def test_colocated_layout_is_priced_with_its_swap_and_compared():
     assert swap_s(10.0, "h100") == pytest.approx(2 * 10 * 2**30 / (64e9 * 0.5))
     assert swap_s(10.0, "a100") == pytest.approx(2 * swap_s(10.0, "h100"))  # PCIe Gen4: half of Gen5
     cfg = load_config("recipes/paper/qwen3-8b-base.yaml", SMALL, check_files=False)
-    res = plan(cfg, 16, gpus_per_node=4, seeds=2, steps=3, top=2)
+    res = plan(cfg, 16, gpus_per_node=4, seeds=2, steps=3, top=2, within=None)
     co = res["colocated"]
     lay = co.layout
     assert lay.trainer_gpus == 16 and lay.rollout_gpus == 16 and co.overrides["staleness.mode"] == "fixed_lag"
@@ -124,6 +130,43 @@ def test_colocated_layout_is_priced_with_its_swap_and_compared():
     assert f"{ratio:.2f}x rank 1" in line and ("better answer" in line) == (ratio > 1.01)
     # a bounded recipe is priced on-policy: both phases hold every GPU
     res = plan(load_config("recipes/paper/qwen3-8b-base.yaml", SMALL + ASYNC, check_files=False), 16,
-               gpus_per_node=4, seeds=2, steps=3, top=1)
+               gpus_per_node=4, seeds=2, steps=3, top=1, within=None)
     assert res["colocated"].overrides["staleness.mode"] == "on_policy"
     assert res["colocated"].predicted["staleness_max"] == 0
+
+
+def test_the_smallest_cluster_within_a_few_percent_is_what_brute_force_finds():
+    """plan's "smallest": no smaller cluster's best layout (every layout simulated) reaches (1 - within) x the
+    fastest's throughput, and the one named does; the text shows it beside rank 1 with tokens/s per GPU."""
+    from m2po_megatron.commands.plan import format_plan, per_gpu
+    from m2po_megatron.plan.space import allocations
+
+    cfg = load_config("recipes/paper/qwen3-8b-base.yaml", SMALL, check_files=False)
+    kw = dict(gpus_per_node=4, seeds=2, steps=3)
+    res = plan(cfg, 16, top=2, within=30, **kw)
+    sm = res["smallest"]
+    assert allocations(16, 4) == [2, 3, 4, 8, 12]
+    assert sm["gpus"] < 16 and sm["target_tokens_per_s"] == pytest.approx(0.7 * res["ranked"][0].predicted[
+        "tokens_per_s"])
+    c = sm["candidate"]
+    assert c.layout.trainer_gpus + c.layout.rollout_gpus == sm["gpus"]
+    load_config("recipes/paper/qwen3-8b-base.yaml", SMALL + c.dotted(), check_files=False)  # it validates
+    for g in [g for g in allocations(16, 4) if g <= sm["gpus"]]:
+        brute = plan(cfg, g, top=1, exhaustive=True, within=None, **kw)["ranked"]
+        best = brute[0].predicted["tokens_per_s"] if brute else 0.0
+        if g < sm["gpus"]:
+            assert best < sm["target_tokens_per_s"], g
+        else:
+            assert c.predicted["tokens_per_s"] >= sm["target_tokens_per_s"]
+            assert c.predicted["tokens_per_s"] == pytest.approx(best, rel=0.01)
+    text = format_plan(res, "qwen3-8b", 16, "h100")
+    line = next(ln for ln in text.splitlines() if ln.startswith("smallest within 30 % of rank 1"))
+    assert f"{sm['gpus']} GPUs" in line and f"{per_gpu(c):.0f} tokens/s/GPU" in line, line
+
+
+def test_a_within_outside_0_to_100_percent_exits_2_before_planning(capsys):
+    from m2po_megatron.cli import main
+
+    assert main(["plan", "recipes/paper/qwen3-8b-base.yaml", "--gpus", "16", "--within", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "--within 100" in err and "percentage in [0, 100)" in err
