@@ -36,7 +36,7 @@ toy-table1: setup
 	$(PY) -m m2po_megatron.cli sweep recipes/sweeps/toy-table1.yaml --local -j 2
 	$(PY) -m m2po_megatron.cli report runs/toy-table1 --out runs/toy-table1/report
 
-# The same under the paper's ratios (docs/reproduce.md, "The fair protocol"): 31 runs, 2 at a time, resumable.
+# The same under the paper's ratios (docs/results/toy-table1.md, "The fair protocol"): 31 runs, 2 at a time, resumable.
 toy-table1-fair: setup
 	@test -f .cache/tiny-task-fair/build_info.json || $(PY) tools/build_tiny_model.py .cache/tiny-task-fair --seed 0 \
 		--target-accuracy 0.35 --check-every 10 --n-eval 256 --n-train 256 --disjoint-train --uniform-splits

@@ -200,7 +200,7 @@ def test_the_docs_index_lists_every_page_and_every_link_resolves():
     assert links, "no links read from docs/README.md"
     missing = [link for link in links if not (docs / link).is_file()]
     assert not missing, f"docs/README.md links to missing files: {missing}"
-    pages = {p.name for p in docs.glob("*.md")} - {"README.md"}
+    pages = {str(p.relative_to(docs)) for p in docs.rglob("*.md")} - {"README.md"}
     unlisted = sorted(pages - set(links))
     assert not unlisted, f"add a line for each of {unlisted} to docs/README.md"
     assert len(links) == len(set(links)), "a page is listed twice"

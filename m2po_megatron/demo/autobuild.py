@@ -32,7 +32,7 @@ class TinyBuild:
 
 
 # `m2po demo`'s task is warmed up to 40 % sampled accuracy: from 25 % (the builder's default, which the tests use)
-# RL on this task learns too slowly for a 50-step demo to show it (docs/reproduce.md, "How the settings were
+# RL on this task learns too slowly for a 50-step demo to show it (docs/results/toy-table1.md, "How the settings were
 # chosen"). commands/demo.py reads it from here.
 DEMO_TARGET_ACCURACY = 0.4
 

@@ -1,4 +1,4 @@
-"""The pre-registered drift calibration of issue 34 (docs/reproduce.md, "The paper's drift"): for each cell of
+"""The pre-registered drift calibration of issue 34 (docs/results/toy-table1.md, "The paper's drift"): for each cell of
 the grid (learning rate x optimizer mini-batch) the four criteria that say whether the toy moves its policy
 per update as little as the paper's runs do, the cell's horizon from its on-policy curve, and its cost. The
 numbers and rules here are the pre-registration's; no accuracy of a stale arm enters the choice.
