@@ -69,7 +69,15 @@ def read_pins(path: Path) -> dict[str, tuple[str, str]]:
 
 
 def installed() -> dict[str, str]:
-    return {norm(d.metadata["Name"]): d.version for d in md.distributions() if d.metadata["Name"]}
+    """name -> version of what is installed. A vendored copy's metadata (setuptools puts its _vendor folder, with
+    packaging's and platformdirs' dist-info, on sys.path once imported) is not an installed package; of two
+    copies the first on sys.path is the one imported."""
+    out: dict[str, str] = {}
+    for d in md.distributions():
+        name = d.metadata["Name"]
+        if name and "_vendor" not in str(d.locate_file("")):
+            out.setdefault(norm(name), d.version)
+    return out
 
 
 def base_freeze(have: dict[str, str]) -> list[str]:

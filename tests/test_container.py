@@ -116,7 +116,10 @@ def test_constraints_keep_the_base_torch_and_pin_the_rest():
 
 
 def test_check_reports_a_version_off_its_pin(tmp_path):
+    import setuptools  # noqa: F401  (puts its _vendor copies of packaging and platformdirs on sys.path)
+
     have = pins.installed()  # this checkout's .venv: the lock's trainer stack, no TE, no sglang
+    assert have["packaging"] == pins.read_pins(pins.LOCK)["packaging"][1]  # not setuptools' vendored copy
     problems = pins.check(have, files=(pins.TRAINER,))
     assert [p for p in problems if "Transformer Engine" not in p] == []
     off = tmp_path / "req.txt"

@@ -150,10 +150,11 @@ def test_run_call_answers_every_call():
 
 def test_the_recipe_is_valid():
     from m2po_megatron.config import load_config
+    from m2po_megatron.config.paths import PROJECT_ROOT
 
-    cfg = load_config("recipes/tiny-agent-cpu.yaml", [], check_files=False)
+    cfg = load_config("tiny-agent-cpu", [], check_files=False)
     assert cfg.rollout.function == "calculator" and cfg.rollout.tool_call_parser == "m2po_tags"
-    assert cfg.staleness.mode == "bounded" and cfg.model.hf_path == ".cache/tiny-agent-task"
+    assert cfg.staleness.mode == "bounded" and cfg.model.hf_path == str(PROJECT_ROOT / ".cache/tiny-agent-task")
     assert api.registered_rollouts()["calculator"] == "m2po_megatron.examples.calculator:rollout"
 
 
