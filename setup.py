@@ -26,7 +26,7 @@ GPU = [
     "sglang==0.5.23",  # the protocol version the contract pins (m2po_megatron/contracts/)
     # Apex is optional and built from source on clusters; never required.
 ]
-DEV = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.8"]
+DEV = ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "hypothesis>=6.100", "matplotlib>=3.8"]
 
 setup(
     name="m2po-megatron",

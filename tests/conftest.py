@@ -12,6 +12,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import importlib.util
 import pathlib
+import shutil
 
 import pytest
 
@@ -32,6 +33,12 @@ def _cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # pytest-xdist (`make test`, --dist loadgroup) sends a group to one worker: a file's tests stay together, so
+    # its module fixtures (a trained run, a server) are built once; the local Slurm cluster is one per machine
+    # (fixed ports, root's daemons), so every `slurm` test shares one group whatever its file.
+    for item in items:
+        group = "slurm" if "slurm" in item.keywords else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
     if _cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -59,8 +66,23 @@ def tiny_task(tmp_path_factory):
     given = os.environ.get("M2PO_TINY_TASK_DIR")
     if given and (pathlib.Path(given) / INFO_FILE).exists():
         return pathlib.Path(given)
-    out = tmp_path_factory.mktemp("tiny-task")
-    build_tiny_task(out, seed=0, log=lambda *_: None)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        out = tmp_path_factory.mktemp("tiny-task")
+        build_tiny_task(out, seed=0, log=lambda *_: None)
+        return out
+    # Under pytest-xdist the workers' temp roots share this session's parent: the first worker builds, the
+    # others wait on the lock and reuse it (a half-built directory never gets the final name).
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent
+    out = root / "tiny-task"
+    with FileLock(str(root / "tiny-task.lock")):
+        if not (out / INFO_FILE).exists():
+            part = root / "tiny-task.partial"
+            shutil.rmtree(part, ignore_errors=True)
+            part.mkdir()
+            build_tiny_task(part, seed=0, log=lambda *_: None)
+            part.rename(out)
     return out
 
 
