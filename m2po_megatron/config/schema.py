@@ -298,6 +298,10 @@ class ClusterSection:
     # the rollout servers get the rest of its GPUs (Ray hands each process distinct ones)
     trainer_gpus_per_node: int = 0
     gpu_memory_gb: Optional[float] = None  # when set, the per-GPU memory estimate must fit
+    # Trainer ranks and rollout engines share the same GPUs (slime's --colocate, verl's hybrid engine): each step
+    # the engines generate, release their memory, the trainer reloads, trains, offloads, and the engines take
+    # the new weights from the same GPU (docs/colocate.md). Synchronous modes only (on_policy, fixed_lag).
+    colocate: bool = False
     timeout_s: float = 3600.0  # longest wait on another process (trainer ranks, servers) before the run stops
 
 
