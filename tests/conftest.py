@@ -32,6 +32,7 @@ def _cuda() -> bool:
         return False
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     # pytest-xdist (`make test`, --dist loadgroup) sends a group to one worker: a file's tests stay together, so
     # its module fixtures (a trained run, a server) are built once; the local Slurm cluster is one per machine

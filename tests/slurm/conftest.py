@@ -37,7 +37,7 @@ def slurm_cluster(tmp_path_factory):
     base = Path(os.environ.get("M2PO_TEST_SLURM_DIR") or tempfile.mkdtemp(prefix="m2po-slurm-"))
     env = dict(os.environ)
     env.update(SLURM_LOCAL_DIR=str(base), SLURM_LOCAL_NODES="2", SLURM_LOCAL_CPUS="4",
-               SLURM_LOCAL_MEM_MB="8000", SLURM_LOCAL_TIMEOUT="60",
+               SLURM_LOCAL_MEM_MB="8000", SLURM_LOCAL_TIMEOUT="180",  # nodes idle: slow under a loaded CI
                SLURM_LOCAL_PORT_BASE=os.environ.get("M2PO_TEST_SLURM_PORT_BASE", "15800"))
     try:
         res = subprocess.run([str(TOOL / "start-local-slurm.sh")], env=env, capture_output=True, text=True,
