@@ -26,6 +26,12 @@ def actor_kwargs(cfg: DictConfig) -> dict:
         loss_kwargs.update(eps_low=a.grpo.eps_clip_low, eps_high=a.grpo.eps_clip_high)
     elif a.name == "gspo":
         loss_kwargs.update(eps_low=a.gspo.eps_clip_low, eps_high=a.gspo.eps_clip_high)
+    elif a.name == "cispo":
+        loss_kwargs.update(eps_low=a.cispo.eps_clip_low, eps_high=a.cispo.eps_clip_high)
+    if a.use_opsm:
+        loss_kwargs["opsm_delta"] = a.opsm_delta
+    if loss_kwargs["loss_agg_mode"] == "seq-mean-token-sum-norm":  # Dr.GRPO's constant: the longest response
+        loss_kwargs["loss_scale_factor"] = a.loss_scale_factor or cfg.rollout.max_new_tokens
     total_updates = cfg.train.steps * cfg.train.updates_per_step
     return dict(
         hf_path=cfg.model.hf_path, hf_config=cfg.model.hf_config, load_from=cfg.model.megatron_ckpt,

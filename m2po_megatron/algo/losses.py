@@ -1,4 +1,4 @@
-"""Policy losses on behaviour-policy samples: m2po, grpo, grpo_notr, gspo.
+"""Policy losses on behaviour-policy samples: m2po, grpo, grpo_notr, gspo, cispo.
 
 Every loss is a surrogate whose gradient with respect to log_prob on an *active* token is -A * r / D
 (r = exp(log_prob - behav_log_prob), D the aggregation denominator) and zero on every other token:
@@ -8,7 +8,11 @@ Every loss is a surrogate whose gradient with respect to log_prob on an *active*
   - gspo:      r is replaced by the sequence ratio s = exp(mean_t log-ratio), straight-through per token as
                verl's (value s, gradient through each token's own log-prob and weight); PPO clip on s with
                GSPO's small range (3e-4, 4e-4); sequence mean.
-  - dual_clip=c (any loss, M2PO included): tokens with A < 0 and r > c are also inactive (loss -A*c),
+  - cispo:     not a ratio surrogate: -sg(clip(r)) * A * log_prob on every token, gradient -A * clip(r) / D
+               (algo/cispo.py).
+  - opsm_delta (any loss): off-policy sequence masking; its dropped tokens are inactive and stay in D
+               (algo/seq_mask.py).
+  - dual_clip=c (any loss but cispo, M2PO included): tokens with A < 0 and r > c are also inactive (loss -A*c),
     which bounds the large-ratio negative tokens that lie outside T (see docs/algo.md).
 The active set is decided on detached values first and exp() is only evaluated on active tokens, so a
 huge ratio on an inactive token cannot turn the gradient into NaN (0 * inf).
@@ -37,20 +41,25 @@ from m2po_megatron.algo._layout import (
     raise_nonfinite,
     valid_tokens,
 )
+from m2po_megatron.algo.aggregation import norm_scale_factor
+from m2po_megatron.algo.cispo import DEFAULT_EPS as CISPO_EPS, check_eps as check_cispo_eps, cispo_surrogate
 from m2po_megatron.algo.mask import bounded_tokens, check_tau_rule, keep_trust_region
+from m2po_megatron.algo.seq_mask import check_delta, opsm_drop
 
 Tensor = torch.Tensor
 
-LOSSES = ("m2po", "grpo", "grpo_notr", "gspo")
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-DEFAULT_EPS = {"grpo": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (eps_low, eps_high)
-DEFAULT_AGG = {"m2po": "token-mean", "grpo": "token-mean", "grpo_notr": "token-mean", "gspo": "seq-mean-token-mean"}
+LOSSES = ("m2po", "grpo", "grpo_notr", "gspo", "cispo")
+# seq-mean-token-sum-norm: Dr.GRPO's constant normalisation, sum_seqs sum_tokens / (num_seqs * loss_scale_factor)
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+DEFAULT_EPS = {"grpo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": CISPO_EPS}  # (eps_low, eps_high)
+DEFAULT_AGG = {"m2po": "token-mean", "grpo": "token-mean", "grpo_notr": "token-mean", "gspo": "seq-mean-token-mean",
+               "cispo": "token-mean"}
 
 
 _CHECKED = ("log_prob", "behav_log_prob", "advantages")
 # The device vector of LossStats: these sums and counts, then the non-finite counts of _CHECKED.
 _STATS = ("loss", "sum_v_tr", "n_tr", "sum_v_kept", "n_kept", "n_masked", "n_clip", "n_dual", "ratio_sum",
-          "ratio_min", "ratio_max", "k1_sum", "k3_sum", "n_tokens", "n_seqs", "kept_min", "kept_max")
+          "ratio_min", "ratio_max", "k1_sum", "k3_sum", "n_tokens", "n_seqs", "kept_min", "kept_max", "n_opsm")
 
 
 @dataclass
@@ -61,6 +70,7 @@ class LossStats:
     values: Tensor
     where: str
     has_seqs: bool
+    has_opsm: bool = False
 
 
 def read_loss_stats(stats: list[LossStats], rows: list[list[float]] | None = None) -> list[dict[str, float]]:
@@ -73,7 +83,7 @@ def read_loss_stats(stats: list[LossStats], rows: list[list[float]] | None = Non
         rows = torch.stack([s.values for s in stats]).tolist()
     for s, row in zip(stats, rows):
         raise_nonfinite(s.where, _CHECKED, row[len(_STATS):len(_STATS) + len(_CHECKED)])
-    return [_metrics_from_row(row, s.has_seqs) for s, row in zip(stats, rows)]
+    return [_metrics_from_row(row, s.has_seqs, s.has_opsm) for s, row in zip(stats, rows)]
 
 
 def _denominator(given, local: Tensor, what: str, arg: str):
@@ -131,7 +141,7 @@ def policy_loss(
     """Loss to minimise (a 0-d tensor with grad through log_prob) and float metrics for logging.
 
     Args:
-        name: "m2po", "grpo", "grpo_notr" or "gspo".
+        name: "m2po", "grpo", "grpo_notr", "gspo" or "cispo".
         log_prob: log pi_theta of the sampled tokens (with grad); padded [B, T] or flat [N].
         behav_log_prob: log pi_behav of the same tokens (the policy that generated them); not differentiated.
         advantages: per-token advantages of the same shape; for padded inputs [B, 1] is broadcast.
@@ -140,8 +150,11 @@ def policy_loss(
         num_seq_ids: flat inputs whose seq_ids are dense, 0..num_seq_ids-1 (built on the host from known
             lengths): saves the torch.unique that makes arbitrary ids dense (a host sync).
         loss_agg_mode: "token-mean" (sum over valid tokens / num_tokens; the paper's; masked tokens stay in
-            the denominator), "seq-mean-token-mean" or "seq-mean-token-sum" (/ num_seqs). Default:
+            the denominator), "seq-mean-token-mean" or "seq-mean-token-sum" (/ num_seqs), or
+            "seq-mean-token-sum-norm" (Dr.GRPO: token sums / (num_seqs * loss_scale_factor)). Default:
             token-mean, and seq-mean-token-mean for gspo.
+        loss_scale_factor: seq-mean-token-sum-norm only, and required there (verl's name): the constant each
+            sequence's token sum is divided by (Dr.GRPO's MAX_TOKENS; the recipe passes rollout.max_new_tokens).
         num_tokens, num_seqs: the denominators. Default: the valid tokens / sequences of this call. Pass the
             counts of the whole optimizer mini-batch over all micro-batches and data-parallel ranks (see
             distributed.global_m2po_keep_masks / global_token_counts) so that the sum of the per-micro-batch,
@@ -153,8 +166,13 @@ def policy_loss(
         tau, rule: the M2PO bound and rule when keep_mask is None (see mask.m2po_keep_mask).
         m2_tokens: the tokens whose M2 is bounded and reported: "trust_region" (T, the paper's) or "all"
             (every valid token, AReaL's port); the m2po/* metrics are over that set.
-        eps_low, eps_high: PPO clip range for grpo (default 0.2, 0.2) and gspo (default 3e-4, 4e-4).
-        dual_clip: c > 1: tokens with A < 0 and ratio > c get a constant loss -A*c (zero gradient). Any loss.
+        eps_low, eps_high: PPO clip range for grpo (default 0.2, 0.2) and gspo (default 3e-4, 4e-4); CISPO's
+            weight clip [1 - eps_low, 1 + eps_high] for cispo (default 1.0, 0.2: no lower bound).
+        dual_clip: c > 1: tokens with A < 0 and ratio > c get a constant loss -A*c (zero gradient). Any loss
+            but cispo (whose weight is already capped).
+        opsm_delta: off-policy sequence masking (slime's --opsm-delta; None: off): a token with A < 0 whose
+            sequence's mean log(pi_behav / pi_theta) exceeds it leaves the loss (stays in the denominator).
+            Needs sequences (padded rows, or flat seq_ids).
         weights: detached per-token factors >= 0 on each token's loss, same shape (a rollout correction's
             importance weights, algo.rollout_correction); the denominators are unchanged. None: all 1.
 
@@ -162,7 +180,9 @@ def policy_loss(
         (loss, metrics). Metric keys: loss, m2po/m2_before, m2po/m2_after, m2po/masked_frac,
         m2po/num_trust_region, clip_frac, dual_clip_frac, ratio/mean, ratio/min, ratio/max, ratio/kept_min,
         ratio/kept_max, kl/k1, kl/k3, count/tokens, count/kept_trust_region (and count/seqs when sequences are
-        known). ratio/min and ratio/max range over every valid token; ratio/kept_* only over the tokens the
+        known, opsm/masked_frac with opsm_delta: the fraction of valid tokens it drops). For cispo, clip_frac
+        is the fraction of tokens whose weight is clipped (they keep a gradient). ratio/min and ratio/max
+        range over every valid token; ratio/kept_* only over the tokens the
         trust region keeps (M2PO's mask, PPO's clip and the dual clip; for grpo_notr every valid token), i.e.
         the ratios that can still reach the gradient. kl/k1 and kl/k3
         estimate KL(pi_behav || pi_theta) from the behaviour samples: k1 = -log r, k3 = r - 1 - log r.
@@ -195,6 +215,8 @@ def policy_loss_on_device(
     eps_high: float | None = None,
     dual_clip: float | None = None,
     weights: Tensor | None = None,
+    opsm_delta: float | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[Tensor, LossStats]:
     """policy_loss without reading the device: (loss, LossStats). Arguments as policy_loss. Non-finite inputs
     on valid tokens do not raise here: those tokens are left out of the loss and counted in the stats, and
@@ -209,14 +231,20 @@ def policy_loss_on_device(
         raise ValueError(f"keep_mask applies to the m2po loss only, not {name!r}")
     if dual_clip is not None and not (float(dual_clip) > 1.0):
         raise ValueError(f"dual_clip must be > 1 (e.g. 3.0) or None, got {dual_clip!r}")
+    if dual_clip is not None and name == "cispo":
+        raise ValueError("dual_clip does not apply to cispo: its importance weight is already capped at 1 + eps_high")
+    if opsm_delta is not None:
+        opsm_delta = check_delta(opsm_delta)
     if name in DEFAULT_EPS:
         d_lo, d_hi = DEFAULT_EPS[name]
         eps = (d_lo if eps_low is None else float(eps_low), d_hi if eps_high is None else float(eps_high))
-        if not (0 <= eps[0] < 1 and eps[1] >= 0):
+        if name == "cispo":
+            check_cispo_eps(*eps)
+        elif not (0 <= eps[0] < 1 and eps[1] >= 0):
             raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps[0]}, eps_high={eps[1]}")
     else:
         if eps_low is not None or eps_high is not None:
-            raise ValueError(f"eps_low/eps_high apply to grpo and gspo; {name!r} has no epsilon clip")
+            raise ValueError(f"eps_low/eps_high apply to grpo, gspo and cispo; {name!r} has no epsilon clip")
         eps = None
     if name == "m2po" and keep_mask is None:
         check_tau_rule(tau, rule)
@@ -233,9 +261,11 @@ def policy_loss_on_device(
                      keep_mask=keep_mask, weights=weights)
 
     vt = valid_tokens(mask, seq_ids, where, num_seq_ids)
-    needs_seqs = name == "gspo" or agg != "token-mean"
+    needs_seqs = name == "gspo" or agg != "token-mean" or opsm_delta is not None
     if needs_seqs and not vt.known_seqs:
-        raise ValueError(f"{where}: flat inputs need seq_ids for gspo and seq-mean aggregation (loss_agg_mode={agg!r})")
+        raise ValueError(f"{where}: flat inputs need seq_ids for gspo, seq-mean aggregation (loss_agg_mode={agg!r}) "
+                         f"and opsm_delta")
+    scale = norm_scale_factor(loss_scale_factor, agg)
     dtype = compute_dtype(log_prob, behav_log_prob)
     lp = vt.take(log_prob).to(dtype)
     blp = vt.take(behav_log_prob).detach().to(dtype)
@@ -258,18 +288,23 @@ def policy_loss_on_device(
             keep = keep_trust_region(lr_d, tr, tau, rule)
     else:
         keep = torch.ones_like(tr)
+    dropped = opsm_drop(lr_d, A, valid, vt, opsm_delta) if opsm_delta is not None else None
+    active = keep if dropped is None else keep & ~dropped  # M2PO's mask and the sequence mask, both
 
     ones = valid.to(dtype)
-    if name == "gspo":
+    if name == "cispo":
+        tok, clipped = cispo_surrogate(torch.where(valid, lp, zero), lr, A, valid & active, eps)
+        dual = torch.zeros_like(clipped)
+    elif name == "gspo":
         seq_len = vt.seq_sum(ones).clamp(min=1)  # empty sequences: 0 / 1, never 0 / 0 in backward
         seq_lr = vt.seq_sum(lr.detach()) / seq_len
         # verl's straight-through token ratio sg[log s] + l_t - sg[l_t]: the value is the sequence's, the
         # gradient reaches each token through its own weight (uniform weights: the same gradient as through
         # the mean; per-token weights are not averaged over the sequence)
         st = seq_lr[vt.seq] + lr - lr.detach()
-        tok, clipped, dual = _surrogate(torch.where(valid, st, zero), A, keep, eps, dual_clip)
+        tok, clipped, dual = _surrogate(torch.where(valid, st, zero), A, active, eps, dual_clip)
     else:
-        tok, clipped, dual = _surrogate(lr, A, keep, eps, dual_clip)
+        tok, clipped, dual = _surrogate(lr, A, active, eps, dual_clip)
     if weights is not None:  # off the valid tokens the factor is 1, so a NaN there cannot reach the sums
         tok = tok * torch.where(valid, vt.take(weights).detach().to(dtype), torch.ones((), dtype=dtype,
                                                                                        device=lp.device))
@@ -285,14 +320,16 @@ def policy_loss_on_device(
         if agg == "seq-mean-token-mean":
             per_seq = per_seq / seq_count.clamp(min=1)
         total = per_seq.sum()
+        if scale is not None:  # Dr.GRPO: each sequence's token sum over the constant, then the sequence mean
+            total = total / scale
     loss = _divide(total, denom)
 
-    values = _stats(loss, lr_d, valid, n, n_seqs, tr, keep, clipped, dual, bad)
-    return loss, LossStats(values=values, where=where, has_seqs=vt.known_seqs)
+    values = _stats(loss, lr_d, valid, n, n_seqs, tr, keep, clipped, dual, bad, dropped)
+    return loss, LossStats(values=values, where=where, has_seqs=vt.known_seqs, has_opsm=dropped is not None)
 
 
 @torch.no_grad()
-def _stats(loss, lr, valid, n, n_seqs, tr, keep, clipped, dual, bad) -> Tensor:
+def _stats(loss, lr, valid, n, n_seqs, tr, keep, clipped, dual, bad, dropped=None) -> Tensor:
     """The device vector of LossStats (see _STATS); every sum masked to the valid tokens."""
     f64 = torch.float64
     lr64 = lr.to(f64)
@@ -301,6 +338,8 @@ def _stats(loss, lr, valid, n, n_seqs, tr, keep, clipped, dual, bad) -> Tensor:
     r = torch.exp(lr).to(f64)
     inf = torch.full_like(r, math.inf)
     kept = valid & keep & ~clipped & ~dual
+    if dropped is not None:
+        kept = kept & ~dropped
 
     def extreme(where, fill, fn):  # min or max of r over `where`; +-inf when empty (as for no tokens)
         if not r.numel():
@@ -317,12 +356,13 @@ def _stats(loss, lr, valid, n, n_seqs, tr, keep, clipped, dual, bad) -> Tensor:
         (~keep & valid).sum().to(f64), clipped.sum().to(f64), dual.sum().to(f64),
         torch.where(valid, r, zero).sum(), rmin, rmax, (-lr64).sum(), torch.where(valid, r - 1 - lr64, zero).sum(),
         n.to(f64), (n_seqs if n_seqs is not None else torch.full((), -1, device=r.device)).to(f64), kmin, kmax,
+        dropped.sum().to(f64) if dropped is not None else zero,
     ]), bad.to(f64)])
 
 
-def _metrics_from_row(row: list[float], has_seqs: bool) -> dict[str, float]:
+def _metrics_from_row(row: list[float], has_seqs: bool, has_opsm: bool = False) -> dict[str, float]:
     (loss_v, sv, nt, sv_kept, n_kept, n_masked, n_clip, n_dual, rsum, rmin, rmax, k1, k3, n,
-     n_seqs, kmin, kmax) = row[:len(_STATS)]
+     n_seqs, kmin, kmax, n_opsm) = row[:len(_STATS)]
 
     def mean(s, c):
         return s / c if c > 0 else 0.0
@@ -347,4 +387,6 @@ def _metrics_from_row(row: list[float], has_seqs: bool) -> dict[str, float]:
     }
     if has_seqs:
         out["count/seqs"] = float(n_seqs)
+    if has_opsm:
+        out["opsm/masked_frac"] = mean(n_opsm, n)
     return out

@@ -21,6 +21,7 @@ MEAN_WEIGHT = {
     "m2po/masked_frac": "count/tokens",
     "clip_frac": "count/tokens",
     "dual_clip_frac": "count/tokens",
+    "opsm/masked_frac": "count/tokens",
     "ratio/mean": "count/tokens",
     "kl/k1": "count/tokens",
     "kl/k3": "count/tokens",

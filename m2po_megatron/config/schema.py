@@ -100,10 +100,16 @@ class RolloutCorrectionSection:
 
 @dataclass
 class AlgoSection:
-    name: str = "m2po"  # m2po | grpo | grpo_notr | gspo
-    # token-mean | seq-mean-token-mean | seq-mean-token-sum, for m2po, grpo and grpo_notr; gspo reads
-    # algo.gspo.loss_agg_mode, so one recipe can sweep every method with each one's own aggregation
+    name: str = "m2po"  # m2po | grpo | grpo_notr | gspo | cispo
+    # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (Dr.GRPO), for every loss
+    # but gspo, which reads algo.gspo.loss_agg_mode, so one recipe can sweep every method with its own aggregation
     loss_agg_mode: str = "token-mean"
+    # seq-mean-token-sum-norm's constant (verl's name; Dr.GRPO's MAX_TOKENS); null: rollout.max_new_tokens
+    loss_scale_factor: Optional[float] = None
+    # off-policy sequence masking (slime's --use-opsm / --opsm-delta): drop A<0 tokens of sequences whose mean
+    # log(behaviour / current) exceeds opsm_delta; any loss
+    use_opsm: bool = False
+    opsm_delta: float = 1e-4
     norm_adv_by_std: bool = True
     adv_eps: float = 1e-6
     dual_clip_c: Optional[float] = None  # e.g. 3.0; bounds A<0 tokens with huge ratios, any loss
@@ -116,6 +122,8 @@ class AlgoSection:
     m2po: M2POSection = field(default_factory=M2POSection)
     grpo: ClipSection = field(default_factory=ClipSection)
     gspo: GSPOSection = field(default_factory=GSPOSection)
+    # CISPO's weight clip [1 - low, 1 + high]; low 1.0: no lower bound (the paper's, slime's advice)
+    cispo: ClipSection = field(default_factory=lambda: ClipSection(eps_clip_low=1.0, eps_clip_high=0.2))
     rollout_correction: RolloutCorrectionSection = field(default_factory=RolloutCorrectionSection)
 
 
