@@ -24,6 +24,7 @@ CORE = [
 GPU = [
     "transformer-engine[pytorch]>=2.0",
     "sglang==0.5.23",  # the protocol version the contract pins (m2po_megatron/contracts/)
+    "torch_memory_saver==0.0.10",  # the colocated trainer's offload (actor/offload.py); the version sglang pins
     # Apex is optional and built from source on clusters; never required.
 ]
 DEV = ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "hypothesis>=6.100", "matplotlib>=3.8"]

@@ -5,7 +5,8 @@ sync -> evaluation -> logging -> checkpoints. The loop calls verbs on its compon
 its domain: the run directory (run/rundir.py) and checkpoints (run/checkpoint.py), the inputs
 (run/inputs.py), the rollout servers (run/servers.py), the trainer ranks (run/trainers.py), the
 generator (rollout/generators.py, one `Generator` interface for every staleness mode), weight updates of the
-servers (rollout/updates.py) and evaluation (eval/in_run.py). The algorithmic hooks of a step are below or
+servers (rollout/updates.py), the colocated swap (run/colocation.py: cluster.colocate, the engines and the
+trainer take turns on the same GPUs) and evaluation (eval/in_run.py). The algorithmic hooks of a step are below or
 in the module that owns them (samples.build_step_batch, staleness.*, algo.*)."""
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def train(cfg: DictConfig, allow_change: tuple[str, ...] = ()) -> Path:
     from m2po_megatron.rollout.generators import make_generator
     from m2po_megatron.rollout.updates import WeightUpdater
     from m2po_megatron.run.checkpoint import checkpoint_step, restore, resume_hint, save_checkpoint
+    from m2po_megatron.run.colocation import Colocation
     from m2po_megatron.run.inputs import load_data, load_tokenizer
     from m2po_megatron.run.rundir import check_resume, check_run_dir, claim_run_dir, record_start
     from m2po_megatron.run.servers import api_key, check_ports, make_client, start_rollout_engines
@@ -79,13 +81,18 @@ def train(cfg: DictConfig, allow_change: tuple[str, ...] = ()) -> Path:
         print(f"[m2po] stopped by SIGTERM while Ray started, before training; {resume_hint(ckpts)}", flush=True)
         return rdir
     stop.install()  # ray.init put its own SIGTERM handler (sys.exit) over ours
-    engines = trainers = generator = rewards = client = None
+    engines = trainers = generator = rewards = client = swap = None
     try:
-        engines, urls = start_rollout_engines(cfg, rdir)
+        if cfg.cluster.colocate:  # the trainer is built, then offloaded: the engines start on its GPUs
+            trainers = start_trainers(cfg, world, rdir, ckpts)
+            trainers.offload()
+        engines, urls = start_rollout_engines(cfg, rdir, trainers)
         client = make_client(cfg, urls)
-        trainers = start_trainers(cfg, world, rdir, ckpts)
+        trainers = trainers or start_trainers(cfg, world, rdir, ckpts)
         weights = WeightUpdater(cfg, trainers, engines, urls, api_key(cfg))
         weights.connect()
+        if cfg.cluster.colocate:
+            swap = Colocation(cfg, trainers, weights, urls, api_key(cfg))
         rewards = rewards_from_config(cfg)
         ledger = SampleLedger()
         generator = make_generator(cfg, client, rewards, tokenizer, prompts, ledger, trainers)
@@ -93,8 +100,13 @@ def train(cfg: DictConfig, allow_change: tuple[str, ...] = ()) -> Path:
         evaluator = Evaluator(cfg, client, tokenizer, eval_rows, rdir, generator.eval_rewards())
         step, version = 0, 0
         if resume_from is not None:
+            if swap is not None:
+                swap.to_train()
             step, version = restore(resume_from, trainers, prompts, ledger, generator)
-            weights.push(version)  # new servers hold the base weights
+            if swap is not None:
+                swap.to_generate(version)  # new servers hold the base weights
+            else:
+                weights.push(version)
         saved = step  # the step of the latest checkpoint of this run
         if step == 0 and evaluator.enabled and not stop.requested:  # the starting point, before generation competes
             with trace.span("eval", "eval", tid="loop", step=0):
@@ -111,6 +123,7 @@ def train(cfg: DictConfig, allow_change: tuple[str, ...] = ()) -> Path:
 
             with generator.locked():  # the generation thread writes the ledger too
                 sb = build_batch(cfg, groups, version, ledger)  # advantages, staleness gating, ledger
+            swapped = swap.to_train() if swap is not None else {}  # colocated: engines release, trainer reloads
             t1 = time.perf_counter()
             out = train_on(cfg, trainers, sb.batch)
             updates = out.pop("per_update", None)  # each optimizer update's own metrics, logged as a list
@@ -124,10 +137,14 @@ def train(cfg: DictConfig, allow_change: tuple[str, ...] = ()) -> Path:
             generator.on_step(version, updates=applied)
 
             t2 = time.perf_counter()
-            sync_stats = weights.resync_restarted(version)  # a restarted server holds the base weights
             eval_now = evaluator.due(step)
-            if generator.needs_sync() or (eval_now and weights.synced != version):
-                sync_stats.update(weights.sync_or_recover(version))
+            if swap is not None:  # colocated: engines take back weights, get `version`, trainer offloads, KV back
+                sync_stats = swap.to_generate(version)
+                swapped.update({k: sync_stats.pop(k) for k in list(sync_stats) if k.startswith("time/")})
+            else:
+                sync_stats = weights.resync_restarted(version)  # a restarted server holds the base weights
+                if generator.needs_sync() or (eval_now and weights.synced != version):
+                    sync_stats.update(weights.sync_or_recover(version))
             t_sync = time.perf_counter() - t2
             if sync_stats:
                 trace.complete("weight_sync", "sync", t2, t2 + t_sync, tid="loop", args={"version": version})
@@ -140,7 +157,7 @@ def train(cfg: DictConfig, allow_change: tuple[str, ...] = ()) -> Path:
             metrics = {"version": version, **sb.metrics, **out, **accounting, **gen.rewards, **gen.extra,
                        **resynced, **sync_stats,
                        "time/wait_rollout": t_wait, "time/train": t_train, "time/weight_sync": t_sync,
-                       "time/step": time.perf_counter() - t0, **({"updates": updates} if updates else {}),
+                       "time/step": time.perf_counter() - t0, **swapped, **({"updates": updates} if updates else {}),
                        "tokens_per_s/train": sb.metrics.get("batch/tokens", 0) / max(t_train, 1e-9),
                        "tokens_per_s/gen": gen.tokens_per_s}
             if eval_now:
@@ -151,14 +168,16 @@ def train(cfg: DictConfig, allow_change: tuple[str, ...] = ()) -> Path:
                                     f"staleness {metrics.get('staleness/mean', 0):.1f}")
             if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
                 with trace.span("checkpoint", "checkpoint", tid="loop", step=step):
-                    save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
+                    with trainers.on_device():  # colocated: a swap around the save
+                        save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
                 saved = step
 
         progress.close()
         if stop.requested:
             if cfg.checkpoint.save_on_sigterm and step > saved:
                 print(f"[m2po] {stop.signal_name} received: checkpointing at step {step} and exiting", flush=True)
-                save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
+                with trainers.on_device():
+                    save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
             latest = ckpts.latest()
             print(f"[m2po] stopped by {stop.signal_name} at step {step}/{cfg.train.steps}; "
                   + (f"latest checkpoint {latest}; continue with `--resume auto`" if latest else
@@ -166,7 +185,8 @@ def train(cfg: DictConfig, allow_change: tuple[str, ...] = ()) -> Path:
         else:
             if step > saved:
                 with trace.span("checkpoint", "checkpoint", tid="loop", step=step):
-                    save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
+                    with trainers.on_device():  # colocated: a swap around the save
+                        save_checkpoint(ckpts, step, version, trainers, prompts, ledger, generator)
             if evaluator.enabled and not evaluator.due(step):  # not evaluated at this step yet
                 if weights.synced != version:
                     weights.push(version)
@@ -174,7 +194,7 @@ def train(cfg: DictConfig, allow_change: tuple[str, ...] = ()) -> Path:
                     logger.log(evaluator(step, weights.synced), step=step)
     finally:
         stop.leaving = True  # a signal now cannot cut the cleanup short (a hung one still ends)
-        for closer in (generator, rewards, client):
+        for closer in (generator, rewards, client, swap):
             if closer is not None:
                 closer.close()
         if trainers is not None:

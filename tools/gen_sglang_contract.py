@@ -28,7 +28,8 @@ USED = ["POST /generate", "POST /init_weights_update_group", "POST /destroy_weig
         "POST /update_weights_from_tensor", "POST /update_weight_version", "POST /pause_generation",
         "POST /continue_generation", "POST /abort_request", "POST /flush_cache", "GET /flush_cache",
         "GET /health", "GET /health_generate", "GET /get_model_info", "GET /model_info",
-        "GET /get_server_info", "GET /server_info"]
+        "GET /get_server_info", "GET /server_info", "POST /release_memory_occupation",
+        "POST /resume_memory_occupation"]
 
 
 def _jsonable(v):

@@ -16,12 +16,25 @@ def register(sub) -> None:
 def run(args) -> int:
     import yaml
 
-    from m2po_megatron.config import estimate_memory, load_config, redact
+    from m2po_megatron.config import estimate_memory, load_config, model_hf_config, redact
     from m2po_megatron.models.memory import format_estimate
 
     cfg = load_config(args.recipe, args.overrides, check_files=not args.no_check_files)
     print(yaml.safe_dump(redact(cfg), sort_keys=False), end="")
-    est = estimate_memory(cfg)  # a YAML comment, so the output stays a valid recipe
+    est = estimate_memory(cfg)  # YAML comments, so the output stays a valid recipe
     print("# memory estimate per trainer GPU: " + (format_estimate(est) if est else
                                                    "unknown (no model config.json; set model.hf_config)"))
+    if est and cfg.cluster.colocate:
+        print("# " + colocated_line(cfg, model_hf_config(cfg), est))
     return 0
+
+
+def colocated_line(cfg, hf: dict, est: dict) -> str:
+    """Both phases of a colocated step on one shared GPU (models/colocated_memory.py)."""
+    from m2po_megatron.models.colocated_memory import colocated_from_config, format_colocated
+
+    co = colocated_from_config(cfg, hf, est)
+    gpu = cfg.cluster.gpu_memory_gb
+    return ("colocated, per shared GPU" + (f" of {gpu:g} GiB" if gpu else " (set cluster.gpu_memory_gb to check "
+                                                                          "the KV pool SGLang would get)")
+            + ": " + format_colocated(co))

@@ -45,6 +45,8 @@ def register(sub) -> None:
     p.add_argument("--format", default="table", choices=("table", "json"))
     p.add_argument("--out", default=None,
                    help="a plan: write the best layout as recipe overrides (YAML); --calibrate: the fit (JSON)")
+    p.add_argument("--colocated-out", default=None, metavar="FILE",
+                   help="a plan: write the best colocated layout (cluster.colocate) as recipe overrides (YAML)")
     p.add_argument("--calibrate", default=None, metavar="RUN_DIR", help="fit the cost model on this run")
     p.add_argument("--calibration", default=None, metavar="FILE", help="a fit written by --calibrate --out")
     p.add_argument("--mfu", type=float, default=None,
@@ -122,6 +124,13 @@ def _calibrate(args) -> int:
             print(f"  {k:22s} {c[k]:.4g}")
         print(f"  responses: mean {cal.response.mean:.1f} tokens, cv {cal.response.cv:.2f}, max "
               f"{cal.response.max}; prompts {cal.prompt_len:.1f} tokens")
+        co = cal.fit.get("colocate")
+        if co:
+            from m2po_megatron.plan.calibrate import COLOCATE_PHASES
+
+            print("  colocated swap per step: " + ", ".join(f"{k} {co[k]:.3g} s" for k in COLOCATE_PHASES)
+                  + f"; {co['swap_s']:.3g} s in all ({co['in_wait_s']:.3g} s of it inside the wait, added to "
+                  "loop_fixed_s)")
         if "efficiency" in cal.fit:
             print("  efficiencies on " + args.gpu + ": "
                   + ", ".join(f"{k} {v:.3g}" for k, v in cal.fit["efficiency"].items()))
@@ -144,10 +153,30 @@ def _efficiency(cal, gpu: str) -> dict:
     ctx = cal.prompt_len + cal.response.mean
     tokens_update = cfg.train.prompts_per_step * r.n_samples_per_prompt * ctx / cfg.train.updates_per_step
     mbs = max(1, round(tokens_update / lay.dp / cfg.train.micro_batch_tokens))
-    return efficiency_of(cal.costs, model_shape(hf), param_count(hf), lay, gpu, micro_batches=mbs,
-                         mean_context=ctx, has_engine=cal.fit.get("decode_spans", 0) > 0, fp8=bool(cfg.model.fp8),
-                         gpus_per_node=cfg.cluster.gpus_per_node,
-                         use_distributed_optimizer=p.use_distributed_optimizer)
+    eff = efficiency_of(cal.costs, model_shape(hf), param_count(hf), lay, gpu, micro_batches=mbs,
+                        mean_context=ctx, has_engine=cal.fit.get("decode_spans", 0) > 0, fp8=bool(cfg.model.fp8),
+                        gpus_per_node=cfg.cluster.gpus_per_node,
+                        use_distributed_optimizer=p.use_distributed_optimizer)
+    return {**eff, **colocate_efficiency(cal, cfg, hf, gpu)}
+
+
+def colocate_efficiency(cal, cfg, hf: dict, gpu: str) -> dict:
+    """A colocated run's swap as the terms plan/colocated.swap_s prices: the host link's efficiency (the
+    trainer's weights, gradients and optimizer states to the host and back in the measured offload and reload
+    seconds) and the engine's release and resume seconds per step. Empty for a disaggregated run."""
+    from m2po_megatron.config import estimate_memory
+    from m2po_megatron.plan.hardware import GPUS
+
+    co = cal.fit.get("colocate")
+    if not co:
+        return {}
+    out = {"swap_fixed_s": co["release"] + co["resume_weights"] + co["resume_kv"]}
+    est = estimate_memory(cfg, hf)
+    moved = co["reload"] + co["offload"]
+    if est and moved > 0:
+        state = (est["weights"] + est["grads"] + est["optimizer"]) * 2**30
+        out["host_link"] = 2 * state / (GPUS[gpu].pcie_gb_s * 1e9 * moved)
+    return out
 
 
 def summary_error(key: str, predicted: float, measured: float, step_s: float) -> Optional[float]:
@@ -223,6 +252,12 @@ def _plan(args) -> int:
                      "train.micro_batch_tokens")
     if args.out:
         _write_overrides(args.out, ranked[0], args.target, list(args.overrides), args.gpus, gpu)
+    if args.colocated_out:
+        if res["colocated"] is None:
+            return _fail(f"--colocated-out {args.colocated_out}: no colocated layout of {args.gpus} x {gpu} fits "
+                         "both phases and passes validation (see the plan without it); add GPUs or lower "
+                         "train.micro_batch_tokens")
+        _write_overrides(args.colocated_out, res["colocated"], args.target, list(args.overrides), args.gpus, gpu)
     if args.format == "json":
         print(json.dumps({"recipe": args.target, "gpus": args.gpus, "gpu": gpu,
                           **{k: res[k] for k in ("layouts", "over_memory", "skipped", "classes", "simulated",
@@ -246,6 +281,8 @@ def _plan(args) -> int:
     print(format_plan(res, args.target, args.gpus, gpu))
     if args.out:
         print(f"the best layout written to {args.out}; it extends the recipe: `m2po train {args.out}`")
+    if args.colocated_out:
+        print(f"the best colocated layout written to {args.colocated_out}: `m2po train {args.colocated_out}`")
     return 0
 
 
@@ -325,19 +362,21 @@ def colocated_lines(res: dict) -> list[str]:
     """What the best colocated layout (plan/colocated.py) would give, against the table's #1."""
     co = res.get("colocated")
     if co is None:
-        return ["colocated (every GPU generates, then trains): no trainer layout fits on its own"]
+        return ["colocated (every GPU generates, then trains): no layout fits both phases on a shared GPU (the "
+                "trainer with the released engine's share, the engine's KV pool beside the offloaded trainer) "
+                "and passes validation"]
     p, lay = co.predicted, co.layout
     line = (f"colocated (every GPU generates, then trains, as verl's and slime's hybrid engine; "
             f"{co.overrides['staleness.mode']}): {p['tokens_per_s']:.0f} ({p['tokens_per_s_sd']:.0f}) tokens/s "
-            f"({per_gpu(co, lay.trainer_gpus):.0f} per GPU) with trainer {lay.tp}x{lay.pp}x{lay.dp} and {lay.num_servers} x TP{lay.rollout_tp}, {p['swap_s']:.1f} s "
-            "of memory swap per step")
+            f"({per_gpu(co, lay.trainer_gpus):.0f} per GPU) with trainer {lay.tp}x{lay.pp}x{lay.dp} and "
+            f"{lay.num_servers} x TP{lay.rollout_tp} on the same GPUs, {p['swap_s']:.1f} s of memory swap per step, "
+            f"training phase {co.memory_gb:.1f} GiB/GPU")
     if res["ranked"]:
         ratio = p["tokens_per_s"] / res["ranked"][0].predicted["tokens_per_s"]
         line += f": {ratio:.2f}x rank 1"
         if ratio > 1.01:
-            line += ("; here colocation is the better answer, which this project does not run yet (its trainer "
-                     "and servers hold separate GPUs)")
-    return [line]
+            line += "; here colocation is the better answer (--colocated-out FILE writes it)"
+    return [line, "colocated overrides: " + " ".join(co.dotted())]
 
 
 def _write_overrides(path: str, best, recipe: str, user: list[str], gpus: int, gpu: str) -> None:

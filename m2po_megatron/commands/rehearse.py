@@ -7,7 +7,10 @@ beyond the model's bookkeeping: a 32B recipe rehearses on a laptop. Per stage it
 traced peak bytes (weights, gradients, optimizer states, activations, temporaries), models/memory.py's estimate
 at the traced settings beside it, the recipe's own estimate against the GPU's memory, and every collective of
 the step with its group and bytes. What a CPU cannot trace (Transformer Engine, FP8, FlexAttention, compiled
-kernels) is listed in the output; the formula covers it (m2po_megatron.rehearse).
+kernels) is listed in the output; the formula covers it (m2po_megatron.rehearse). A colocated recipe
+(cluster.colocate) traces the trainer's phase with the released engine's resident share held on the GPU
+(models/colocated_memory.ENGINE_RELEASED_GB, one fake block through the step), and reports both phases'
+estimates beside it.
 
 Exit status: 0 when every role ran and its traced peak is within --tolerance of the estimate, 1 otherwise, 2 on
 bad input."""
@@ -74,10 +77,14 @@ def run(args) -> int:
         max_mb = pp
     seqs = minibatch_seqs(cfg, max_mb, seed=args.seed)
     full = minibatch_seqs(cfg)
+    held = colocated_held_back(cfg)
     results = run_roles(kw, world_size=world, tp=tp, dp=dp, pp=pp, seqs=seqs,
                         max_new_tokens=cfg.rollout.max_new_tokens, jobs=args.jobs, timeout_s=args.timeout_s,
-                        seed=args.seed, fast_cache=not args.no_fake_cache, crosscheck=args.fake_cache_crosscheck)
+                        seed=args.seed, fast_cache=not args.no_fake_cache, crosscheck=args.fake_cache_crosscheck,
+                        held_back_bytes=held)
     rep = report(cfg, hf, results, kw, float(cfg.cluster.gpu_memory_gb or 0))
+    if cfg.cluster.colocate:
+        rep["colocated"] = colocated_estimate(cfg, hf)
     rep.update(recipe=str(args.recipe), world_size=world, layout=dict(tp=tp, pp=pp, dp=dp,
                vpp=p.virtual_pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
                sp=bool(p.sequence_parallel)), minibatch_seqs=seqs, recipe_minibatch_seqs=full,
@@ -92,6 +99,22 @@ def run(args) -> int:
     else:
         print(format_report(rep))
     return 0 if ok else 1
+
+
+def colocated_held_back(cfg) -> int:
+    """Bytes a colocated engine keeps on each GPU through the trainer's phase (0 when not colocated)."""
+    from m2po_megatron.models.colocated_memory import ENGINE_RELEASED_GB
+    from m2po_megatron.models.memory import GiB
+
+    return int(ENGINE_RELEASED_GB * GiB) if cfg.cluster.colocate else 0
+
+
+def colocated_estimate(cfg, hf: dict) -> dict:
+    """Both phases' estimates of the recipe as written (its heaviest stage), for the report."""
+    from m2po_megatron.config import estimate_memory
+    from m2po_megatron.models.colocated_memory import colocated_from_config
+
+    return colocated_from_config(cfg, hf, estimate_memory(cfg, hf))
 
 
 def format_report(rep: dict) -> str:
@@ -123,6 +146,13 @@ def format_report(rep: dict) -> str:
     lines.append("traced: the allocator model's peak (GiB); estimate: models/memory.py's tensor terms at the traced "
                  "settings and stage; recipe est: the formula for the recipe as written (TE/FP8, overhead "
                  "included) against the GPU's memory")
+    if "colocated" in rep:
+        from m2po_megatron.models.colocated_memory import format_colocated
+
+        held = max((s.get("held_back_gib", 0.0) for s in rep["stages"]), default=0.0)
+        lines.append(f"colocated: the trainer's phase traced with {held:.1f} GiB of the released engine held on the "
+                     "GPU (in traced, estimate and recipe est); both phases of the recipe as written: "
+                     + format_colocated(rep["colocated"]))
     for s in rep["stages"]:
         if "error" in s:
             continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -14,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from m2po_megatron.config.paths import resolve_path
 from m2po_megatron.agents.loader import check_plugins
 from m2po_megatron.reward.checks import check_reward
+from m2po_megatron.config.colocate_checks import check_colocate
 from m2po_megatron.config.schema import ConfigError
 from m2po_megatron.config.files import check_data_files, missing_file_hint
 
@@ -77,7 +79,8 @@ POSITIVE = [
 ]
 NON_NEGATIVE = [
     "staleness.lag_steps", "staleness.max_staleness", "algo.m2po.tau", "algo.grpo.eps_clip_low",
-    "algo.grpo.eps_clip_high", "algo.gspo.eps_clip_low", "algo.gspo.eps_clip_high", "optim.lr",
+    "algo.grpo.eps_clip_high", "algo.gspo.eps_clip_low", "algo.gspo.eps_clip_high", "algo.cispo.eps_clip_low",
+    "algo.cispo.eps_clip_high", "optim.lr",
     "optim.min_lr", "optim.weight_decay", "optim.clip_grad", "optim.warmup_updates", "eval.interval",
     "checkpoint.interval", "rollout.max_retries", "rollout.max_restarts", "cluster.rollout_nodes",
     "cluster.gpus_per_node", "cluster.trainer_gpus_per_node", "reward.format_score", "rollout.temperature", "algo.adv_eps", "optim.adam_eps",
@@ -150,6 +153,7 @@ def validate(cfg: DictConfig, check_files: bool = True) -> None:
     _check_rollout_correction(cfg, errors)
     if cfg.algo.dual_clip_c is not None and cfg.algo.dual_clip_c <= 1:
         errors.append(f"algo.dual_clip_c = {cfg.algo.dual_clip_c} must be > 1 (e.g. 3.0), or null to disable")
+    _check_algo_terms(cfg.algo, errors)
     if cfg.rollout.mem_fraction_static is not None and not 0 < cfg.rollout.mem_fraction_static < 1:
         errors.append(f"rollout.mem_fraction_static = {cfg.rollout.mem_fraction_static} must be in (0, 1)")
     if cfg.data.prompt_template is not None:
@@ -172,6 +176,7 @@ def validate(cfg: DictConfig, check_files: bool = True) -> None:
     _check_batches(cfg, errors)
     _check_model(cfg, errors, check_files)
     _check_rollout(cfg, errors)
+    check_colocate(cfg, _trainer_world(cfg), errors)
     check_plugins(cfg, errors)
     errors += check_reward(cfg)
     if check_files:
@@ -179,6 +184,23 @@ def validate(cfg: DictConfig, check_files: bool = True) -> None:
 
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+def _check_algo_terms(a: DictConfig, errors: list[str]) -> None:
+    """CISPO, off-policy sequence masking and Dr.GRPO's constant (algo/cispo.py, seq_mask.py, aggregation.py)."""
+    if a.name == "cispo" and a.dual_clip_c is not None:
+        errors.append(f"algo.dual_clip_c = {a.dual_clip_c} does not apply to algo.name = cispo (its weight is already "
+                      f"capped at 1 + algo.cispo.eps_clip_high); set algo.dual_clip_c=null")
+    agg = a.gspo.loss_agg_mode if a.name == "gspo" else a.loss_agg_mode
+    if a.loss_scale_factor is not None:
+        if not a.loss_scale_factor > 0:
+            errors.append(f"algo.loss_scale_factor = {a.loss_scale_factor} must be > 0 (e.g. the maximum response "
+                          f"length), or null for rollout.max_new_tokens")
+        elif agg != "seq-mean-token-sum-norm":
+            errors.append(f"algo.loss_scale_factor = {a.loss_scale_factor} applies to loss_agg_mode="
+                          f"seq-mean-token-sum-norm only, not {agg}; set it to null or change the mode")
+    if a.use_opsm and not math.isfinite(a.opsm_delta):
+        errors.append(f"algo.opsm_delta = {a.opsm_delta} must be a finite threshold (slime's default 1e-4)")
 
 
 def _check_rollout_correction(cfg: DictConfig, errors: list[str]) -> None:
@@ -344,7 +366,11 @@ def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
         except ConfigError as e:
             errors.append(str(e))
             return
-        if est["total"] > cfg.cluster.gpu_memory_gb:
+        if cfg.cluster.colocate:  # both phases on a shared GPU, each named when it cannot fit
+            from m2po_megatron.models.colocated_memory import colocated_from_config, phase_errors
+
+            errors += phase_errors(colocated_from_config(cfg, hf, est))
+        elif est["total"] > cfg.cluster.gpu_memory_gb:
             from m2po_megatron.models.memory import format_estimate
 
             errors.append(f"estimated trainer memory {est['total']:.1f} GiB per GPU exceeds cluster.gpu_memory_gb = "
@@ -444,3 +470,4 @@ def _check_rollout(cfg: DictConfig, errors: list[str]) -> None:
         errors.append(f"rollout.dp_size = {cfg.rollout.dp_size}: SGLang 0.5.23 updates weights from distributed "
                       "only with dp_size 1; set rollout.dp_size = 1 and rollout.num_servers to the number of "
                       "replicas")
+

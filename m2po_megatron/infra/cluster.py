@@ -86,15 +86,20 @@ def shutdown_ray() -> None:
 
 
 def rank_bundles(world_size: int, ranks_per_node: Optional[int] = None, gpus_per_rank: float = 0,
-                 resource: str = TRAINER_RESOURCE) -> list[list[dict]]:
+                 resource: str = TRAINER_RESOURCE, shared_with: Optional[str] = None) -> list[list[dict]]:
     """Placement-group bundles for `world_size` ranks: one group per node of `ranks_per_node` consecutive
     ranks (rank r is bundle r % n of group r // n), so a node holds whole tensor-parallel groups whenever n
-    is a multiple of the TP size (Megatron's TP groups are consecutive ranks). None: one group of all ranks."""
+    is a multiple of the TP size (Megatron's TP groups are consecutive ranks). None: one group of all ranks.
+    `shared_with`: a second role's resource in every bundle (colocation: the rollout engines sit in the
+    trainer ranks' bundles, and a bundle with a GPU holds one whole GPU that both use)."""
     n = ranks_per_node or world_size
     if world_size < 1 or n < 1 or world_size % n:
         raise ValueError(f"world size {world_size} is not a multiple of ranks_per_node {n}: every trainer node "
                          f"holds the same number of ranks (cluster.gpus_per_node)")
     bundle = {resource: 1e-3}
+    if shared_with:
+        bundle[shared_with] = 1e-3
+        gpus_per_rank = 1 if gpus_per_rank else 0
     if gpus_per_rank:
         bundle["GPU"] = gpus_per_rank
     return [[dict(bundle) for _ in range(n)] for _ in range(world_size // n)]
@@ -117,12 +122,14 @@ class RankGroup:
     def __init__(self, actor_cls: Any, world_size: int, *, gpus_per_rank: float = 0, env: Optional[dict] = None,
                  resource: str = TRAINER_RESOURCE, init_kwargs: Optional[dict] = None,
                  ranks_per_node: Optional[int] = None, placement_timeout_s: float = 600.0,
-                 timeout_s: Optional[float] = None):
+                 timeout_s: Optional[float] = None, shared_with: Optional[str] = None):
+        """shared_with: see rank_bundles; each rank then takes `gpus_per_rank` (a fraction) of its bundle's GPU
+        and the other role's actors the rest (`bundle(rank)`)."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        groups = rank_bundles(world_size, ranks_per_node, gpus_per_rank, resource)
+        groups = rank_bundles(world_size, ranks_per_node, gpus_per_rank, resource, shared_with)
         strategy = "STRICT_PACK" if ranks_per_node else "PACK"
         self.placement_groups = [placement_group(b, strategy=strategy) for b in groups]
         self.world_size = world_size
@@ -138,6 +145,7 @@ class RankGroup:
                 f"has {ray.available_resources()}") from None
         remote_cls = ray.remote(actor_cls)
         n = len(groups[0])
+        self.ranks_per_group = n
 
         def opts(rank: int) -> dict:
             return dict(num_cpus=0, num_gpus=gpus_per_rank, resources={resource: 1e-3},
@@ -154,6 +162,10 @@ class RankGroup:
             self.actors.append(remote_cls.options(**opts(rank)).remote(**(init_kwargs or {})))
         ray.get([a.set_dist_env.remote(rank, world_size, master_addr, master_port)
                  for rank, a in enumerate(self.actors)], timeout=timeout_s)
+
+    def bundle(self, rank: int):
+        """(placement group, bundle index) of `rank`: where another role's actor shares its resources."""
+        return self.placement_groups[rank // self.ranks_per_group], rank % self.ranks_per_group
 
     def call_async(self, method: str, *args, **kwargs) -> list:
         return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
@@ -206,7 +218,7 @@ class RankActorBase:
 
     def node(self) -> dict:
         return {"rank": getattr(self, "rank", None), "hostname": socket.gethostname(), "ip": node_ip(),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "gpu_ids": [str(i) for i in assigned_gpu_ids()]}
 
     def run(self, fn: Callable, *args, **kwargs):
         """Run an arbitrary picklable function in this rank (tests, diagnostics)."""

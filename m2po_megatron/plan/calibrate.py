@@ -16,6 +16,12 @@ From the run's timeline (trace.json) and metrics:
 - **Weight sync**: the loop's `weight_sync` spans (the servers are paused: nothing overlaps).
 - **Loop**: `time/step` less waiting, training and syncing, per step.
 - **Lengths**: response lengths' mean and coefficient of variation and the mean prompt length, from metrics.
+- **Colocation** (a run with cluster.colocate): the per-step seconds of the memory swap's phases, the metrics
+  `time/colocate/{release,reload,offload,resume_weights,resume_kv}` (`fit["colocate"]`, with their sum
+  `swap_s`). Where a phase's trace span (category "colocate") lies decides where the model holds it: inside
+  a `train_step` the trainer's fixed part, inside a `weight_sync` the sync, outside every loop span the loop's
+  residual, each already; inside a `wait_rollout` the simulation would miss it (its wait is generation), so
+  those seconds join `loop_fixed_s`. Without spans a phase counts as outside them.
 
 The first `skip` steps (start-up, compilation) are left out of every figure.
 """
@@ -32,10 +38,12 @@ from typing import Optional
 from m2po_megatron.plan.costs import Costs
 from m2po_megatron.plan.sim import LengthDist
 
-__all__ = ["Calibration", "calibrate", "measured", "run_spans"]
+__all__ = ["COLOCATE_PHASES", "Calibration", "calibrate", "colocate_fit", "measured", "run_spans"]
 
 DEFAULT_SKIP = 3
 CPU_MAX_RUNNING = 256  # the CPU server's --max-running-requests default (rollout/local_server.py)
+# a colocated step's swap, in its order (docs/colocate.md); metrics time/colocate/<phase>, trace category colocate
+COLOCATE_PHASES = ("release", "reload", "offload", "resume_weights", "resume_kv")
 
 
 @dataclass
@@ -91,19 +99,21 @@ class _Intervals:
 def run_spans(run_dir: str | Path) -> dict:
     """The run's spans in seconds, by kind: {"decode": [(t0, t1, b, kv, server)], "prefill": [(t0, t1, tokens,
     server)], "phases": [(t0, t1, name, rank)], "rank_busy": {rank: [(t0, t1)]}, "loop": {name: [(t0, t1,
-    args)]}}."""
+    args)]}, "colocate": [(t0, t1, phase)]}."""
     from m2po_megatron.infra.trace import read_trace
 
     doc = read_trace(run_dir)
     names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"]
              if e.get("ph") == "M" and e.get("name") == "process_name"}
-    out: dict = {"decode": [], "prefill": [], "phases": [], "rank_busy": {}, "loop": {}}
+    out: dict = {"decode": [], "prefill": [], "phases": [], "rank_busy": {}, "loop": {}, "colocate": []}
     for e in doc["traceEvents"]:
         if e.get("ph") != "X":
             continue
         t0 = e["ts"] / 1e6
         t1, proc, args = t0 + e["dur"] / 1e6, names.get(e["pid"], ""), e.get("args") or {}
-        if e.get("cat") == "engine" and e["name"] == "decode":
+        if e.get("cat") == "colocate":  # the swap's phases, wherever the loop traced them
+            out["colocate"].append((t0, t1, e["name"].rsplit("/", 1)[-1]))
+        elif e.get("cat") == "engine" and e["name"] == "decode":
             out["decode"].append((t0, t1, args["b"], args["kv"], proc))
         elif e.get("cat") == "engine" and e["name"] == "prefill":
             out["prefill"].append((t0, t1, args["tokens"], proc))
@@ -274,6 +284,9 @@ def calibrate(run_dir: str | Path, skip: int = DEFAULT_SKIP, cores: Optional[int
     fixed = (sum(work(s[0], s[1], tl.rank) for s in tl.steps) - sum(per.values())) / len(tl.steps)
     mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in rows)  # noqa: E731
     loop_s = max(0.0, mean("time/step") - mean("time/wait_rollout") - mean("time/train") - mean("time/weight_sync"))
+    colocate = colocate_fit(rows, spans, window)
+    if colocate:
+        loop_s += colocate["in_wait_s"]
     costs = dataclasses.replace(
         costs, train_fixed_s=max(fixed, 0.0), train_per_update_s=per["optimizer"] / tl.updates,
         train_per_token_s=per["forward_backward"] / tl.tokens, logprob_per_token_s=per["logprob_pass"] / tl.tokens,
@@ -283,7 +296,7 @@ def calibrate(run_dir: str | Path, skip: int = DEFAULT_SKIP, cores: Optional[int
         source=f"calibrated on {rdir} (steps after {skip})")
     fit = {"skip": skip, "steps": len(rows), "decode_spans": len(tl.decode), "cores": cores, "rms_rel_error": rms,
            "contention": alpha, "train_steps": len(tl.steps), "updates": tl.updates, "syncs": len(tl.syncs),
-           "prefill_spans": len(tl.prefill)}
+           "prefill_spans": len(tl.prefill), **({"colocate": colocate} if colocate else {})}
     lens = [(r["response_length/mean"], r.get("response_length/std", 0.0)) for r in rows
             if "response_length/mean" in r]
     m = statistics.fmean(x for x, _ in lens)
@@ -293,6 +306,24 @@ def calibrate(run_dir: str | Path, skip: int = DEFAULT_SKIP, cores: Optional[int
     return Calibration(costs=costs, response=LengthDist(m, sd / m if m else 0.0, int(cfg.rollout.max_new_tokens)),
                        prompt_len=prompt_len, accuracy=min(max(mean("reward/mean"), 0.0), 1.0), fit=fit,
                        run_dir=str(rdir))
+
+
+def colocate_fit(rows: list[dict], spans: dict, window: tuple[float, float]) -> Optional[dict]:
+    """A colocated run's swap per step: {phase: mean seconds, "swap_s": their sum, "in_wait_s": the seconds of
+    the phases' spans inside wait_rollout spans per step, "spans": how many}; None when the rows have none of
+    the phases' metrics (a disaggregated run)."""
+    keys = [f"time/colocate/{p}" for p in COLOCATE_PHASES]
+    if not any(k in r for r in rows for k in keys):
+        return None
+    out = {p: statistics.fmean(r.get(k, 0.0) for r in rows) for p, k in zip(COLOCATE_PHASES, keys)}
+    out["swap_s"] = sum(out[p] for p in COLOCATE_PHASES)
+    lo, hi = window
+    mine = [s for s in spans.get("colocate", []) if s[0] >= lo and s[1] <= hi and s[2] in COLOCATE_PHASES]
+    waits = _Intervals([(a, b) for a, b, _ in spans["loop"].get("wait_rollout", [])])
+    in_wait = sum(b - a for s in mine for a, b in waits.clip(s[0], s[1]))
+    out["in_wait_s"] = in_wait / len(rows)
+    out["spans"] = len(mine)
+    return out
 
 
 def measured(run_dir: str | Path, skip: int = DEFAULT_SKIP) -> dict:

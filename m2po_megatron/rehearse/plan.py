@@ -66,9 +66,10 @@ def minibatch_seqs(cfg, max_microbatches: Optional[int] = None, seed: int = 0) -
 
 def run_roles(kw: dict, *, world_size: int, tp: int, dp: int, pp: int, seqs: int, max_new_tokens: int,
               jobs: int, timeout_s: float, seed: int = 0, fast_cache: bool = True,
-              crosscheck: int = 0) -> list[dict]:
+              crosscheck: int = 0, held_back_bytes: int = 0) -> list[dict]:
     """Each role in a spawned process (up to `jobs` at once); [{role, ok, result | error}] in role order.
-    fast_cache, crosscheck: the fake mode's dispatch cache and its check (stage.rehearse_rank)."""
+    fast_cache, crosscheck: the fake mode's dispatch cache and its check; held_back_bytes: a colocated engine's
+    resident share, held through the step (stage.rehearse_rank)."""
     from m2po_megatron.infra.fake_world import fake_world_rank
     from .stage import child_main
 
@@ -84,7 +85,7 @@ def run_roles(kw: dict, *, world_size: int, tp: int, dp: int, pp: int, seqs: int
                 path = os.path.join(tmp, f"{nxt}.json")
                 args = dict(kwargs=kw, rank=fake_world_rank(r.pp_rank, tp, dp), world_size=world_size,
                             minibatch_seqs=seqs, max_new_tokens=max_new_tokens, seed=seed,
-                            fast_cache=fast_cache, crosscheck=crosscheck)
+                            fast_cache=fast_cache, crosscheck=crosscheck, held_back_bytes=held_back_bytes)
                 p = ctx.Process(target=child_main, args=(args, path), daemon=True)
                 p.start()
                 running.append((nxt, p, path, time.monotonic()))
@@ -138,7 +139,10 @@ def estimates(cfg, hf, stage: int, traced: dict) -> tuple[dict, dict]:
 
 def report(cfg, hf, results: list[dict], traced_kw: dict, gpu_gb: float) -> dict:
     """Per stage: parameters, traced peak and its parts, the estimate at the traced settings and its error, the
-    recipe's estimate against the GPU's memory; plus the collectives."""
+    recipe's estimate against the GPU's memory; plus the collectives. A colocated recipe (cluster.colocate)
+    traces its training phase with the released engine's share held on the GPU (held_back_bytes): both the
+    traced peak and the estimate at the traced settings include it, and the recipe's estimate is the training
+    phase's (models/colocated_memory.py)."""
     rows = []
     for r in results:
         if not r.get("ok"):
@@ -148,14 +152,16 @@ def report(cfg, hf, results: list[dict], traced_kw: dict, gpu_gb: float) -> dict
         res = r["result"]
         est_t, est_r = estimates(cfg, hf, r["pp_rank"], dict(traced_kw, microbatches=res["microbatches"]))
         traced_gib = res["peak_bytes"] / GiB
-        tensor_terms = est_t["total"] - est_t["overhead"]
+        held = res.get("held_back_bytes", 0) / GiB
+        tensor_terms = est_t["total"] - est_t["overhead"] + held
+        recipe_gib = est_r["total"] + held
         rows.append(dict(
             role=r["role"], pp_rank=r["pp_rank"], params=res["params"], chunks=res["chunks"],
             microbatches=res["microbatches"], sequences=res["sequences"], tokens=res["tokens"],
             traced_gib=traced_gib, at_peak_gib={k: v / GiB for k, v in res["at_peak"].items()},
             peak_phase=res["peak_phase"], estimate_traced_gib=tensor_terms,
             error_pct=100.0 * (tensor_terms - traced_gib) / traced_gib,
-            estimate_recipe_gib=est_r["total"], gpu_gib=gpu_gb, headroom_gib=gpu_gb - est_r["total"],
+            estimate_recipe_gib=recipe_gib, gpu_gib=gpu_gb, headroom_gib=gpu_gb - recipe_gib, held_back_gib=held,
             collectives=res["collectives"], build_s=res["build_s"], step_s=res["step_s"],
             dispatch_cache=res["dispatch_cache"]))
     return {"stages": rows}

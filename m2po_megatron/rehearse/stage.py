@@ -59,11 +59,13 @@ def _optimizer_tensors(optimizer) -> tuple[list, list]:
 
 
 def rehearse_rank(kwargs: dict, *, rank: int, world_size: int, minibatch_seqs: int, max_new_tokens: int,
-                  seed: int = 0, fast_cache: bool = True, crosscheck: int = 0) -> dict:
+                  seed: int = 0, fast_cache: bool = True, crosscheck: int = 0, held_back_bytes: int = 0) -> dict:
     """Build MegatronActor(**kwargs) as global `rank` of a fake world and run one train_step of one optimizer
     mini-batch of `minibatch_seqs` sequences. Returns the rank's numbers (bytes, counts, seconds).
     fast_cache / crosscheck: the fake mode's first-level dispatch cache, and its check of every Nth hit
-    (infra.fake_cache; 0: none)."""
+    (infra.fake_cache; 0: none). held_back_bytes: memory another process keeps on the GPU through the step (a
+    colocated engine's share once released, models/colocated_memory.py): one fake block of that size, alive
+    before the step starts and after it ends, so the traced peak includes it (kind "engine_resident")."""
     t0 = time.perf_counter()
     from m2po_megatron.infra import device
 
@@ -116,6 +118,13 @@ def rehearse_rank(kwargs: dict, *, rank: int, world_size: int, minibatch_seqs: i
             mode.phase = "temporaries"
 
     actor.optimizer.step = traced_step
+    held = None
+    if held_back_bytes > 0:
+        import torch
+
+        mode.phase = "engine_resident"
+        with mode:
+            held = torch.empty(int(held_back_bytes), dtype=torch.uint8, device=params[0].device)
     mode.phase = "temporaries"
     t1 = time.perf_counter()
     with mode, mode.saved_as_activations(), logged_collectives(log), balanced_moe_routing():
@@ -130,6 +139,7 @@ def rehearse_rank(kwargs: dict, *, rank: int, world_size: int, minibatch_seqs: i
         role, rank=rank, params=sum(p.numel() for p in params), peak_bytes=mode.peak, peak_phase=mode.peak_phase,
         at_peak=mode.breakdown(), built_bytes=built, microbatches=len(mbs), row_tokens=max(m.seq_len for m in mbs),
         sequences=len(shard), tokens=sum(batch.lengths[i] for i in shard), collectives=log.summary(),
+        held_back_bytes=held.untyped_storage().nbytes() if held is not None else 0,
         build_s=round(t_build, 2), step_s=round(t_step, 2),
         dispatch_cache=dict(fast=mode.fast_enabled, hits=mode.fast_hits, misses=mode.fast_misses,
                             crosscheck=mode.crosscheck, checked=mode.fast_checked))

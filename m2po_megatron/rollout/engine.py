@@ -99,6 +99,9 @@ class Engine:
         self.values: list[torch.Tensor] = []
         self.mask = torch.zeros(0, 0, dtype=torch.long)
         self.paused = False
+        self.released: set[str] = set()  # SGLang's offload_tags: memory given back (release_memory)
+        self._shapes: dict[str, torch.Size] = {}  # each released parameter's shape, to reallocate it
+        self._check_nan = False  # weights resumed: NaN until every parameter is updated (nan_weights)
         self._stop = False
         self.steps = 0
         self.error: BaseException | None = None
@@ -185,6 +188,9 @@ class Engine:
         A MoE model's per-expert on-disk names fill their slice of the fused expert tensors (moe_engine.py)."""
         from m2po_megatron.rollout.moe_engine import fused_expert_view
 
+        if "weights" in self.released and named:
+            raise ValueError("the weights are released; POST /resume_memory_occupation {\"tags\": [\"weights\"]} "
+                             "before updating them")
         targets = []
         for name, t in named:
             dst = fused_expert_view(self._params, name)
@@ -201,6 +207,42 @@ class Engine:
             if weight_version is not None:
                 self.weight_version = str(weight_version)
 
+    def release_memory(self, tags: set[str]) -> None:
+        """SGLang's release_memory_occupation on CPU. "weights": every parameter's storage is replaced by an
+        empty one (name, dtype and the Parameter object are kept, the shape is recorded), buffers stay, as
+        SGLang keeps the model's static state; "kv_cache": the KV cache is dropped (the caller checked that
+        nothing runs); "cuda_graph": nothing to free. No step runs while any tag is released."""
+        with self.lock:
+            if "weights" in tags:
+                for name, p in self.model.named_parameters():
+                    self._shapes[name] = p.shape
+                    p.data = torch.empty(0, dtype=p.dtype)
+            if "kv_cache" in tags:
+                self._drop_rows(list(range(len(self.running))))
+                self.keys, self.values, self.mask = [], [], torch.zeros(0, 0, dtype=torch.long)
+            self.released |= set(tags)
+
+    def resume_memory(self, tags: set[str]) -> None:
+        """Reallocate released memory. Resumed weights hold NaN until a weight update fills them (SGLang's
+        resumed weights hold whatever the GPU memory held), so a forgotten update cannot pass unnoticed."""
+        with self.lock:
+            if "weights" in tags:
+                for name, p in self.model.named_parameters():
+                    p.data = torch.full(self._shapes.pop(name), float("nan"), dtype=p.dtype)
+                self._check_nan = True
+            self.released -= set(tags)
+        self._wake.set()
+
+    def nan_weights(self) -> list[str]:
+        """Parameters still NaN since the weights were resumed (a missing update); no step runs while there
+        are any. One scan after each resume, until a scan finds none."""
+        with self.lock:
+            if not self._check_nan:
+                return []
+            bad = [n for n, p in self.model.named_parameters() if p.is_floating_point() and bool(p.isnan().any())]
+            self._check_nan = bool(bad)
+            return bad
+
     def idle(self, ignore_waiting: bool = False) -> bool:
         """SGLang's is_fully_idle: nothing running (and nothing queued, unless ignore_waiting)."""
         with self.lock:
@@ -211,6 +253,7 @@ class Engine:
         with self.lock:
             self._admit_inbox()
             return {"waiting": len(self.waiting), "running": len(self.running), "paused": self.paused,
+                    "released": sorted(self.released),
                     "steps": self.steps, "weight_version": self.weight_version}
 
     def alive(self) -> bool:
@@ -232,7 +275,8 @@ class Engine:
                     if self._stop:
                         return
                     self._admit_inbox()
-                    if not self.paused and (self.waiting or self.running):
+                    if not self.paused and not self.released and (self.waiting or self.running) \
+                            and not self.nan_weights():
                         self._step()
                         self._wake.set()  # step again while there is work (the lock is released between)
         except BaseException as e:  # noqa: BLE001 - fail every request loudly rather than hang them

@@ -288,10 +288,15 @@ class EngineManager:
 
     def __init__(self, specs: Sequence[ServerSpec], *, run_dir: str, use_ray: bool = True, max_restarts: int = 3,
                  health_timeout_s: float = 600.0, node_ids: Sequence[str] | None = None,
-                 num_cpus_per_server: float = 1, num_gpus_per_server: float | None = None, env: dict | None = None):
+                 num_cpus_per_server: float = 1, num_gpus_per_server: float | None = None, env: dict | None = None,
+                 bundles: Sequence | None = None, server_envs: Sequence[dict] | None = None,
+                 resources: dict | None = None):
         """node_ids: Ray node ids to pin server i to (hard affinity); otherwise Ray places them (use a custom
         resource or placement group in the cluster config to reserve rollout nodes). num_gpus_per_server
-        defaults to tp_size x dp_size for sglang (the GPUs one server uses) and 0 for local."""
+        defaults to tp_size x dp_size for sglang (the GPUs one server uses) and 0 for local.
+        Colocated (docs/colocate.md): `bundles` gives server i's (placement group, bundle index), a trainer rank's
+        bundle it shares, `resources` what its actor takes there, and `server_envs` its own environment on top
+        of `env` (the GPUs it runs on)."""
         if not specs:
             raise ValueError("EngineManager needs at least one ServerSpec")
         if node_ids is not None and len(node_ids) != len(specs):
@@ -305,6 +310,9 @@ class EngineManager:
         self.num_cpus = num_cpus_per_server
         self.num_gpus = num_gpus_per_server
         self.env = env
+        self.bundles = list(bundles) if bundles is not None else None
+        self.server_envs = list(server_envs) if server_envs is not None else None
+        self.resources = resources
         self.servers: list = []   # ServerProcess or Ray actor handles
         self.urls: list[str] = []
         self._dead_restarts: list[int] = [0] * len(self.specs)  # restarts counted by actors that died
@@ -349,9 +357,18 @@ class EngineManager:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.node_ids[i], soft=False)
+        if self.bundles is not None:  # colocated: in a trainer rank's bundle (a restart goes back there)
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            pg, index = self.bundles[i]
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                           placement_group_bundle_index=index)
+        if self.resources:
+            opts["resources"] = dict(self.resources)
+        env = {**(self.env or {}), **(self.server_envs[i] if self.server_envs else {})}
         budget = self.max_restarts if max_restarts is None else max_restarts
         return ray.remote(**opts)(ServerActor).remote(spec, self.log_path(i), budget, self.health_timeout_s,
-                                                      self.env, bind_wait_s)
+                                                      env or None, bind_wait_s)
 
     def _get(self, refs, what: str):
         """ray.get with a deadline that names what it waited for; a task error becomes ServerStartError."""

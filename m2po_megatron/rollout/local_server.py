@@ -4,7 +4,8 @@ Where the two could differ it MIRRORS SGLang, so a CPU test fails where a real s
 only inside a /begin_weight_update ... /end_weight_update session, an update without a pause waits for every
 running request (SGLang's model-update lock) so no sample changes version mid-sequence, over-length requests
 and --skip-tokenizer-init refusals get HTTP 400, unknown top-level fields are ignored, sampling_seed counts
-only with --enable-deterministic-inference, a cache flush is refused while requests run.
+only with --enable-deterministic-inference, a cache flush or a memory release is refused while requests run,
+and generation while memory is released (server_memory.py).
 
     python -m m2po_megatron.rollout.local_server --model-path DIR [--host 127.0.0.1] [--port 30000]
         [--api-key KEY] [--skip-tokenizer-init] [--random-seed N] [--context-length N]
@@ -26,6 +27,7 @@ import time
 import uuid
 
 from m2po_megatron.rollout.server_args import LISTEN_FD_ENV, check_args, parser
+from m2po_megatron.rollout.server_memory import InjectedFaults, MemoryEndpoints
 from m2po_megatron.rollout.server_weights import WeightEndpoints
 
 log = logging.getLogger("m2po.local_server")
@@ -89,8 +91,9 @@ class RWLock:
         return self._writer or self._readers > 0
 
 
-class LocalServer(WeightEndpoints):
-    """The HTTP endpoints over one Engine; the weight-update ones are WeightEndpoints' (server_weights.py)."""
+class LocalServer(WeightEndpoints, MemoryEndpoints):
+    """The HTTP endpoints over one Engine; the weight-update ones are WeightEndpoints' (server_weights.py), the
+    release and resume of memory MemoryEndpoints' (server_memory.py)."""
 
     def __init__(self, engine, args):
         self.engine = engine
@@ -102,6 +105,7 @@ class LocalServer(WeightEndpoints):
         self.held_by_pause = 0  # /generate requests waiting for continue_generation (in get_server_info)
         self.session: str | None = None  # the selector of the open weight-update session
         self._pause_lock = asyncio.Lock()
+        self.faults = InjectedFaults()  # test-only, from M2PO_CPU_SERVER_FAIL/HOLD (server_memory.py)
 
     # ------------------------------------------------------------------ app
     def app(self):
@@ -129,7 +133,8 @@ class LocalServer(WeightEndpoints):
                     "/update_weights_from_tensor": self.update_tensor,
                     "/update_weight_version": self.update_weight_version,
                     "/pause_generation": self.pause, "/continue_generation": self.resume,
-                    "/abort_request": self.abort}
+                    "/abort_request": self.abort, "/release_memory_occupation": self.release_memory,
+                    "/resume_memory_occupation": self.resume_memory}
         table = routes()
         for path, handler in handlers.items():  # exactly SGLang's methods for each path
             for method in table[path]:
@@ -200,6 +205,9 @@ class LocalServer(WeightEndpoints):
         paused = await self._paused_health()
         if paused is not None:
             return paused
+        refused = self.released_error("/health_generate", 503)  # its one-token generation could not run
+        if refused is not None:
+            return refused
         from m2po_megatron.rollout.engine import SamplingParams
 
         try:
@@ -324,6 +332,9 @@ class LocalServer(WeightEndpoints):
             await self.unpaused.wait()
         finally:
             self.held_by_pause -= 1
+        refused = self.released_error("/generate")  # checked after a pause: memory may go while it waits
+        if refused is not None:
+            return refused
         t0 = time.monotonic()
         async with self.model_update.reader():
             submitted = self._submit(jobs)

@@ -5,8 +5,6 @@ serialized tensors, and the weight version. A mixin of LocalServer (local_server
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import os
 
 _NO_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
@@ -111,22 +109,28 @@ class WeightEndpoints:
         return _answer(ok, message)
 
     async def update_tensor(self, request):
-        import torch
+        """SGLang 0.5.23's body: one payload per engine TP rank (this server is one rank: it reads entry 0, as
+        SGLang's rank 0 does), each MultiprocessingSerializer's base64 form of [(hf_name, tensor)], read by a
+        restricted unpickler (server_memory.py); CPU tensors only (shared memory by name)."""
+        from m2po_megatron.rollout.server_memory import load_named_tensors
 
         body = await self._body(request, "POST /update_weights_from_tensor")
-        if body.get("load_format") not in (None, "auto"):
-            raise ValueError(f"load_format {body['load_format']!r} is not supported by the CPU server")
+        if body.get("load_format") is not None:  # SGLang's "direct"/"flattened_bucket"/custom loaders
+            raise ValueError(f"load_format {body['load_format']!r} is not supported by the CPU server; send null")
         if body.get("abort_all_requests"):
             self.engine.abort(None, "Abort by weight update")
         async with self._update_lock():
             if self.session is None:
                 return _answer(False, _NO_SESSION.format("update_weights_from_tensor"))
-            payload = base64.b64decode(body["serialized_named_tensors"][0])  # TP rank 0's share; one rank
-            named = torch.load(io.BytesIO(payload), weights_only=True)
-            if not isinstance(named, (list, tuple)) or not all(isinstance(x, (list, tuple)) and len(x) == 2
-                                                               for x in named):
-                raise ValueError("serialized_named_tensors[0] must be torch.save([(name, tensor), ...]) in base64")
-            ok, message = self._load(body, [(str(n), t) for n, t in named])
+            payloads = body["serialized_named_tensors"]
+            if not payloads:
+                return _answer(False, "Failed to update weights: serialized_named_tensors is empty; send one "
+                                      "payload per TP rank")
+            try:
+                named = await asyncio.to_thread(load_named_tensors, payloads[0])
+                ok, message = self._load(body, named)
+            except (KeyError, ValueError) as e:
+                return _answer(False, f"Failed to update weights: {e}")
         return _answer(ok, message)
 
     async def update_weight_version(self, request):

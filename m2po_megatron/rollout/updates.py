@@ -5,7 +5,11 @@ transfer is rollout/weight_sync.py, run by global rank 0.
 A restarted server lost the weight-sync group and holds the base weights; `WeightUpdater` notices it from the
 launcher's restart counts, waits for every server to be healthy, forms a new group with all of them and
 pushes the current weights. It keeps what that needs (the servers, their restart counts, the version they
-hold), so the loop only says which version to push."""
+hold), so the loop only says which version to push.
+
+Colocated (cluster.colocate, docs/colocate.md) there is no group: each engine's first trainer rank updates it
+from tensors on the same GPU (rollout/tensor_sync.py); `connect` tells the ranks which engine is theirs, and
+a push is the same call on the ranks. run/colocation.py brackets each push with the memory swap."""
 from __future__ import annotations
 
 import time
@@ -27,8 +31,14 @@ class WeightUpdater:
         self.seen: list[int] = []  # restart counts at the last (re)sync
 
     def connect(self, generation: int = 0) -> None:
-        """Form the weight-sync group of the trainer's rank 0 with every server rank."""
+        """Form the weight-sync group of the trainer's rank 0 with every server rank (colocated: name each
+        engine's sender)."""
         r = self.cfg.rollout
+        if self.cfg.cluster.colocate:
+            self.trainers.call("init_tensor_sync", self.urls, self.api_key, r.bucket_mb, r.tp_size * r.dp_size,
+                               r.tp_size if r.engine == "sglang" else 1, r.request_timeout_s,
+                               timeout=r.health_timeout_s, what="naming each colocated engine's sender")
+            return
         ranks = r.tp_size * r.dp_size if r.engine == "sglang" else 1  # a server's GPU ranks all join the group
         self.trainers.call("init_weight_sync", self.urls, self.api_key, r.bucket_mb, 0,
                            r.pause_mode, ranks, f"weight_update_group_{generation}", timeout=r.health_timeout_s,

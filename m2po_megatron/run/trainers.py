@@ -2,6 +2,7 @@
 calls the loop makes on them, each with a deadline."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -22,11 +23,17 @@ def start_trainers(cfg: DictConfig, world: int, rdir: Path, ckpts) -> "Ranks":
     from m2po_megatron.run.worker import TrainerWorker
     from m2po_megatron.infra.errors import RunError
 
+    from m2po_megatron.infra.cluster import ROLLOUT_RESOURCE
+    from m2po_megatron.run.servers import TRAINER_GPU_SHARE
+
     gpus = cfg.cluster.trainer_gpus_per_node or cfg.cluster.gpus_per_node  # trainer ranks per node
+    colocate = cfg.cluster.colocate  # the engines share the ranks' bundles (run/servers.py colocated_engines)
+    share = TRAINER_GPU_SHARE if colocate else 1
     try:
-        group = RankGroup(TrainerWorker, world, gpus_per_rank=1 if gpus else 0, ranks_per_node=gpus or None,
+        group = RankGroup(TrainerWorker, world, gpus_per_rank=share if gpus else 0, ranks_per_node=gpus or None,
                           placement_timeout_s=cfg.cluster.timeout_s, timeout_s=cfg.cluster.timeout_s,
-                          env={"OMP_NUM_THREADS": 1, "M2PO_TRAINER_THREADS": 1})
+                          env={"OMP_NUM_THREADS": 1, "M2PO_TRAINER_THREADS": 1},
+                          shared_with=ROLLOUT_RESOURCE if colocate else None)
     except PlacementTimeout as e:
         raise RunError(f"placing {world} trainer ranks: {e} (cluster.timeout_s)") from None
     except ray.exceptions.GetTimeoutError:
@@ -35,8 +42,13 @@ def start_trainers(cfg: DictConfig, world: int, rdir: Path, ckpts) -> "Ranks":
                        f"{' and GPUs' if gpus else ''}?") from None
     trainers = Ranks(group, ckpts, cfg.cluster.timeout_s)
     trace_dir = str(rdir / "trace") if cfg.logging.trace else None
-    nodes = trainers.call("setup", actor_kwargs(cfg), None, trace_dir, cfg.logging.trace_limit,
-                          what="building the Megatron ranks")
+    try:
+        nodes = trainers.call("setup", actor_kwargs(cfg), None, trace_dir, cfg.logging.trace_limit, colocate,
+                              what="building the Megatron ranks")
+    except BaseException:
+        trainers.kill()  # placed ranks are not left behind by a set-up that failed
+        raise
+    trainers.nodes = nodes
     record_placement(rdir, "trainer", [{"rank": n["rank"], "node": n["hostname"], "ip": n["ip"], "pid": n["pid"]}
                                        for n in nodes])
     return trainers
@@ -49,6 +61,10 @@ class Ranks:
 
     def __init__(self, group, ckpts, timeout_s: float):
         self.group, self.ckpts, self.timeout_s = group, ckpts, timeout_s
+        self.nodes: list[dict] = []  # each rank's node, pid and Ray GPU ids (from setup)
+        # Colocated (run/colocation.py): a block in which the trainer holds the GPU (the engines released it);
+        # the behaviour log-probs of trainer recomputation run inside it. Disaggregated: nothing to do.
+        self.on_device = contextlib.nullcontext
 
     def call(self, method: str, *args, timeout: float | None = None, what: str | None = None, **kwargs):
         import ray
@@ -82,10 +98,22 @@ class Ranks:
         batch = TrainBatch(input_ids=[torch.tensor(s.prompt_ids + s.output_ids) for s in samples],
                            prompt_lens=[len(s.prompt_ids) for s in samples],
                            routed_experts=routed if any(r is not None for r in routed) else None)
-        logps = self.call("compute_log_probs", ray.put(batch), what="recomputing behaviour log-probs")[0]
+        with self.on_device():
+            logps = self.call("compute_log_probs", ray.put(batch), what="recomputing behaviour log-probs")[0]
         for s, lp in zip(samples, logps):  # an environment token's stays 0.0: it has no behaviour policy
             mask = s.loss_mask or [1] * len(s.output_ids)
             s.logprobs = [float(x) if m else 0.0 for x, m in zip(lp, mask)]
 
+    def offload(self) -> dict:
+        """Colocated: every rank's state to the host; the slowest rank's seconds and the bytes freed in all."""
+        return _phase(self.call("offload_state", what="offloading the trainer's state (colocated)"))
+
+    def reload(self) -> dict:
+        return _phase(self.call("reload_state", what="reloading the trainer's state (colocated)"))
+
     def kill(self) -> None:
         self.group.kill()
+
+
+def _phase(per_rank: list[dict]) -> dict:
+    return {"seconds": max(r["seconds"] for r in per_rank), "bytes": sum(r["bytes"] for r in per_rank)}

@@ -84,11 +84,14 @@ def run_tail(run_dir: Path | None, lines: int = 30) -> str:
 class Driver:
     """One `m2po train` process. `tmp_root`: a short directory (Ray's socket paths must fit 107 bytes)."""
 
-    def __init__(self, args: list[str], log: Path, tmp_root: Path, command: str = "train"):
+    def __init__(self, args: list[str], log: Path, tmp_root: Path, command: str = "train",
+                 env: Optional[dict] = None):
+        """`env`: added to the driver's environment, which everything of the run inherits (the CPU server's
+        fault injection, rollout/server_memory.py InjectedFaults, is set this way)."""
         self.tag = uuid.uuid4().hex
         self.tmpdir = Path(tempfile.mkdtemp(prefix="t", dir=tmp_root))
         env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_AUTH_MODE="disabled", WANDB_MODE="disabled",
-                   M2PO_FAULT_TAG=self.tag, TMPDIR=str(self.tmpdir))
+                   M2PO_FAULT_TAG=self.tag, TMPDIR=str(self.tmpdir), **(env or {}))
         self.log_path = log
         self._log = open(log, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "m2po_megatron.cli", command, *args], env=env,

@@ -126,8 +126,9 @@ def test_colocated_layout_is_priced_with_its_swap_and_compared():
     assert co.costs.sync_per_byte_s == pytest.approx(1 / (GPUS["h100"].nvlink_gb_s * 1e9 * 0.5))  # in place
     assert co.memory_gb <= GPUS["h100"].memory_gb * 1e9 / 2**30
     ratio = co.predicted["tokens_per_s"] / res["ranked"][0].predicted["tokens_per_s"]
-    (line,) = colocated_lines(res)
+    line, written = colocated_lines(res)
     assert f"{ratio:.2f}x rank 1" in line and ("better answer" in line) == (ratio > 1.01)
+    assert "cluster.colocate=True" in written and "does not run" not in line
     # a bounded recipe is priced on-policy: both phases hold every GPU
     res = plan(load_config("recipes/paper/qwen3-8b-base.yaml", SMALL + ASYNC, check_files=False), 16,
                gpus_per_node=4, seeds=2, steps=3, top=1, within=None)
