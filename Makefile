@@ -54,11 +54,12 @@ toy-calibration: setup
 		--out results/calibration-report
 
 # Two pytest workers: most of the suite waits on subprocesses (Ray, torchrun, Slurm, servers), so a second
-# worker fills the idle core (CI's 2-core machine ran ~70 % of one core busy with one worker). Tests that share
-# one resource (the local Slurm cluster) run on one worker (xdist_group, tests/conftest.py). TEST_WORKERS=0 for one.
+# worker fills the idle core (CI's 2-core machine ran ~70 % of one core busy with one worker). --dist loadfile
+# keeps a file's tests on one worker: its module fixtures (a trained run, a server) are built once, and the local
+# Slurm cluster, one per machine, is only started by tests/slurm/test_slurm_job.py. TEST_WORKERS=0 for one.
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The contract suite: tests/contract/ in a second environment with the real sglang==0.5.23 and sglang-router
 # (tools/sglang_env.sh; built once per machine outside the checkout); the CPU server it compares with runs

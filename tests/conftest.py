@@ -32,14 +32,7 @@ def _cuda() -> bool:
         return False
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    # pytest-xdist (`make test`, --dist loadgroup) sends a group to one worker: a file's tests stay together, so
-    # its module fixtures (a trained run, a server) are built once; the local Slurm cluster is one per machine
-    # (fixed ports, root's daemons), so every `slurm` test shares one group whatever its file.
-    for item in items:
-        group = "slurm" if "slurm" in item.keywords else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
     if _cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

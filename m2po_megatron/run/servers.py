@@ -47,9 +47,7 @@ def start_rollout_engines(cfg: DictConfig, rdir: Path, trainers=None):
 
     r = cfg.rollout
     key = api_key(cfg)
-    if cfg.cluster.colocate:
-        return colocated_engines(cfg, rdir, trainers)
-    if r.urls:
+    if r.urls:  # never colocated (validation refuses rollout.urls with cluster.colocate)
         urls = EngineManager.attach(list(r.urls), api_key=key, timeout_s=r.health_timeout_s)
         if routing_spec(cfg) is not None:  # R3: SGLang's recorded expert ids must be the model's
             from m2po_megatron.config import ConfigError
@@ -59,6 +57,8 @@ def start_rollout_engines(cfg: DictConfig, rdir: Path, trainers=None):
             if refusal:
                 raise ConfigError(refusal)
         return None, urls
+    if cfg.cluster.colocate:
+        return colocated_engines(cfg, rdir, trainers)
     from m2po_megatron.infra.errors import RunError
 
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get(ROLLOUT_RESOURCE)]

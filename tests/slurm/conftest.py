@@ -29,7 +29,9 @@ def _skip_reason() -> str | None:
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
-    """Environment (dict) with SLURM_CONF of a running 2-node cluster (nodes n1, n2)."""
+    """Environment (dict) with SLURM_CONF of a running 2-node cluster (nodes n1, n2). One per machine (fixed
+    ports, root's daemons): `make test` runs pytest-xdist with --dist loadfile, so every test using it must stay
+    in one file (test_slurm_job.py), which one worker runs."""
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
