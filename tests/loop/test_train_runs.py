@@ -158,6 +158,21 @@ def test_on_policy_pp2(tiny_task, tmp_path):
 # tests/faults/test_signals.py, where the interruption is a real SIGTERM.
 
 
+def run_servers(model, run_dir) -> list[str]:
+    """This run's CPU servers: the tiny model is shared by runs on other pytest-xdist workers, so a server is
+    told apart by its stdout, which the launcher points at the run's own rollout/server_<i>.log."""
+    logs = {str(p) for p in (run_dir / "rollout").glob("server_*.log")}
+    found = []
+    for pid in subprocess.run(["pgrep", "-f", f"rollout.local_server --model-path {model}"],
+                              capture_output=True, text=True).stdout.split():
+        try:
+            if os.readlink(f"/proc/{pid}/fd/1") in logs:
+                found.append(pid)
+        except OSError:  # gone, or not ours to read
+            pass
+    return found
+
+
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 def test_rollout_server_killed_mid_run(tiny_task, tmp_path):
     # The kill lands after step 1 is logged; a step of this run takes a fraction of a second, so the run is
@@ -175,8 +190,7 @@ def test_rollout_server_killed_mid_run(tiny_task, tmp_path):
             assert proc.poll() is None, proc.stdout.read()[-5000:]
             assert time.monotonic() < deadline, "no training step within the time limit"
             time.sleep(0.05)
-        pids = subprocess.run(["pgrep", "-f", f"rollout.local_server --model-path {tiny_task}"],
-                              capture_output=True, text=True).stdout.split()
+        pids = run_servers(tiny_task, tmp_path / "kill")
         assert len(pids) == 1, pids
         os.kill(int(pids[0]), signal.SIGKILL)
         out, _ = proc.communicate(timeout=RUN_TIMEOUT)
