@@ -13,7 +13,7 @@ gradient of the global mini-batch loss.
 """
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import logging
 import time
 from functools import partial
@@ -22,12 +22,12 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from m2po_megatron.infra.device import device
 
 from . import checkpoint
 from .batch import TrainBatch
 from .dp_share import even_microbatches, rank_share, skipped_update
 from .fused_logprobs import output_layer_log_probs
+from .logprob_pass import LogProbPasses
 from .correction import three_policy_batch
 from .global_mask import behav_and_advantages, global_keep_masks
 from .metrics import StepTimes, combine_updates, read_step_values, reduce_minibatch
@@ -37,11 +37,11 @@ from .packing import (
     model_inputs,
     plan_microbatches,
     row_multiple,
-    shard_for_dp,
     split_minibatches,
     to_device,
 )
 from .precision import resolve_machine
+from .reference import ReferenceModel
 from .routing_replay import RoutingReplay, check_routing_replay
 from .settings import check_options, recompute_overrides
 
@@ -49,11 +49,12 @@ log = logging.getLogger(__name__)
 
 # train_step's parts timed on the host (perf_counter, no added device sync) as time/actor/<part> seconds: the
 # no-grad forward of M2PO's batch-level mask, the forward/backward schedule (up to the loss stats' host read)
-# and optimizer + scheduler (on CUDA, its kernels after the grad-norm read land in the next waiting timer).
-STEP_TIMES = ("logprob_pass", "forward_backward", "optimizer")
+# and optimizer + scheduler (on CUDA, its kernels after the grad-norm read land in the next waiting timer);
+# ref_pass: the reference model's no-grad forward (KL to the reference), its weights' copy to the device included.
+STEP_TIMES = ("logprob_pass", "forward_backward", "optimizer", "ref_pass")
 
 
-class MegatronActor:
+class MegatronActor(LogProbPasses):
     """A megatron-core trainer rank. See docs/actor.md for the full contract. Parameters are named as the
     recipe's keys (actor.options.actor_kwargs maps a recipe onto them).
 
@@ -92,6 +93,10 @@ class MegatronActor:
             makes the objective three-policy: one no-grad pass at the step's starting weights gives the
             proximal log-probs; the loss and the M2PO mask act on theta/proximal, and the correction's
             weight (a function of proximal/behaviour) multiplies each token's loss (docs/algo.md).
+        reference: the KL term to a frozen reference model (the initial weights; actor.reference), a dict of
+            kl_loss_coef, kl_loss_type (algo.kl.KL_TYPES) and param_offload (its weights on the host between
+            its passes); None: no reference model and no KL term.
+        entropy_coeff: the entropy bonus's weight (verl's entropy_coeff; 0: the entropy is a metric only).
         seed: Megatron's model-parallel RNG seed.
     """
 
@@ -136,6 +141,8 @@ class MegatronActor:
         m2po_rule: str = "remove",
         m2po_scope: str = "global",
         rollout_correction: Optional[dict] = None,
+        reference: Optional[dict] = None,
+        entropy_coeff: float = 0.0,
         seed: int = 1234,
     ):
         # Cheap checks first, before any distributed or model work.
@@ -164,6 +171,17 @@ class MegatronActor:
 
         self.loss_name = loss_name
         self.loss_kwargs = dict(loss_kwargs or {})
+        self.kl = None
+        if reference is not None:
+            from m2po_megatron.algo.kl import check_kl_type
+
+            ref = dict(reference)
+            unknown = set(ref) - {"kl_loss_coef", "kl_loss_type", "param_offload"}
+            if unknown:
+                raise ValueError(f"reference has unknown keys {sorted(unknown)}")
+            self.kl = dict(kl_coef=float(ref.get("kl_loss_coef", 0.001)),
+                           kl_type=check_kl_type(ref.get("kl_loss_type", "low_var_kl")))
+        self.entropy_coeff = float(entropy_coeff)
         self.m2po_tau, self.m2po_rule, self.m2po_scope = float(m2po_tau), m2po_rule, m2po_scope
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.updates_applied = 0
@@ -182,6 +200,10 @@ class MegatronActor:
             src = hf_path
         if src is not None:
             checkpoint.load_initial_weights(chunks, src, self.spec)
+        self.reference = None  # the initial weights, copied before any update (on resume too: the same load)
+        if reference is not None:
+            self.reference = ReferenceModel(self.spec, self.config, chunks, attention_backend=self.attention_backend,
+                                            offload=bool(dict(reference).get("param_offload", True)))
         self.model = wrap_ddp(chunks, self.config, self.use_distributed_optimizer)
         self.opt_config, self.optimizer, self.scheduler = build_optimizer(
             self.model, self.config, self.precision.params_dtype,
@@ -241,24 +263,27 @@ class MegatronActor:
         return self._unwrapped()
 
     # ------------------------------------------------------------------ forward plumbing
-    def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool, targets=lambda mb: None):
+    def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool, targets=lambda mb: None, model=None):
         """Run megatron's schedule over this rank's micro-batches; loss_fn(mb, (log-probs, entropy)) on the
         last stage, where GPTModel's output_processor hook hands the final hidden states to the fused
         output-layer log-probs instead of building [S, V/tp] logits (earlier stages return hidden states).
-        targets(mb): MoE routing replay's [S, layers, k] for the micro-batch, or None (routing_replay.py)."""
+        targets(mb): MoE routing replay's [S, layers, k] for the micro-batch, or None (routing_replay.py).
+        model: other chunks of the same layout (the reference model's; no routing replay), else the actor's."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        replay = self.replay if model is None else None
 
         def forward_step(data_iterator: Iterator, model):
             mb = next(data_iterator)
-            if self.replay is not None:
-                self.replay.before_forward(targets(mb))
+            if replay is not None:
+                replay.before_forward(targets(mb))
             out = model(**model_inputs(mb, self.device, self.attention_backend),
                         output_processor=self._response_logps, output_processor_context=mb)
             return out, partial(loss_fn, mb)
 
         fb = get_forward_backward_func()
         seq_len = max(m.seq_len for m in mbs)
-        return fb(forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
+        return fb(forward_step_func=forward_step, data_iterator=iter(mbs), model=model or self.model,
                   num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=1,
                   forward_only=forward_only)
 
@@ -284,63 +309,6 @@ class MegatronActor:
         lp, ent = out
         return lp, (ent if with_entropy else None)
 
-    # ------------------------------------------------------------------ log-probs
-    @torch.no_grad()
-    def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = True, replay: bool = False):
-        """Per-token log-probs of every response token (and entropy) at the current weights (MoE: with the
-        batch's routed_experts replayed when `replay`, else the trainer's own routing).
-
-        Returns (log_probs, entropy): lists of 1-D fp32 CPU tensors (response length each; entropy None when
-        with_entropy=False), identical on every rank."""
-        batch.validate(for_training=False, vocab_size=self.spec.vocab_size, max_tokens=self.micro_batch_tokens)
-        offs = [0, *itertools.accumulate(batch.response_lens)]
-        shard = shard_for_dp(batch.lengths, self.dp_size)[self.dp_rank]  # empty shards add zeros in _share
-        flat = self._forward_logps(batch, shard, offs, with_entropy, replay)
-        lp = flat[0]
-        ent = flat[1] if with_entropy else None
-        split = lambda t: [t[offs[i]:offs[i + 1]].clone() for i in range(len(batch))]  # noqa: E731
-        return split(lp), (split(ent) if ent is not None else None)
-
-    def _forward_logps(self, batch: TrainBatch, shard: list[int], offs: list[int], with_entropy: bool,
-                       replay: bool = False):
-        """Forward-only over `shard` of `batch`; returns [2, total_response_tokens] (log-prob, entropy) for
-        the whole batch, summed over DP and broadcast from the last stage (zeros where another shard).
-        Each micro-batch's values stay on the device; they are placed with one index_copy after the schedule
-        and come to the host with one copy (_share)."""
-        out = torch.zeros(2, offs[-1], dtype=torch.float32, device=device())
-        if shard or self.even:
-            mbs = self._plan(batch, shard) if shard else []
-            n_real = len(batch)
-            if self.even:
-                batch, _, mbs, _ = self._even(batch, None, mbs)
-            parts: list[torch.Tensor] = []
-            where: list[torch.Tensor] = []  # host: positions in `out` of each micro-batch's response tokens
-
-            def loss_fn(mb, model_out):
-                if mb.seq_index[0] >= n_real:  # a filler micro-batch (expert parallelism)
-                    return model_out[0].new_zeros(()), {}
-                lp, ent = self._token_logps(mb, model_out, with_entropy)
-                ent = ent.float() if ent is not None else torch.zeros_like(lp, dtype=torch.float32)
-                parts.append(torch.stack([lp.detach().float(), ent]))
-                where.extend(torch.arange(offs[i], offs[i] + r) for i, r in zip(mb.seq_index, mb.response_lens))
-                return model_out[0].new_zeros(()), {}
-
-            self._eval_mode()
-            self._run(mbs, loss_fn, forward_only=True, targets=self._targets(batch, replay))
-            if parts:  # the last pipeline stage
-                out.index_copy_(1, to_device(torch.cat(where), out.device), torch.cat(parts, 1))
-        return self._share(out)
-
-    def _share(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over DP (disjoint shards) on the last stage, then broadcast to every pipeline stage; the one
-        device-to-host copy of compute_log_probs."""
-        t = to_device(t, device())
-        if self.is_last_stage and self.dp_size > 1:
-            dist.all_reduce(t, group=self.dp_group)
-        if self.pp_size > 1:
-            dist.broadcast(t, src=self.ps.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
-        return t.cpu()
-
     def _eval_mode(self):
         for m in self.model:
             m.eval()
@@ -361,6 +329,10 @@ class MegatronActor:
         times = StepTimes(STEP_TIMES)
         corr_metrics: dict = {}
         engine = None  # three-policy steps: the engine's behaviour log-probs, for ratio_parts/*
+        if self.reference is not None and len(batch):
+            t = time.perf_counter()
+            batch = dataclasses.replace(batch, ref_log_probs=self.reference_log_probs(batch))
+            times.add("ref_pass", t)
         if self.correction.mode != "bypass" and len(batch):
             t = time.perf_counter()
             engine = batch
@@ -421,6 +393,11 @@ class MegatronActor:
             behav, adv, weights, policy, mask = behav_and_advantages(mb_batch, mb, dev)  # mask: policy & weight > 0
             seq_ids = to_device(mb.response_seq_ids(), dev)
             kw = dict(self.loss_kwargs)
+            if mb_batch.ref_log_probs is not None:
+                kw.update(self.kl, ref_log_prob=to_device(
+                    torch.cat([mb_batch.ref_log_probs[i].float() for i in mb.seq_index]), dev))
+            if self.entropy_coeff:
+                kw.update(entropy=ent, entropy_coeff=self.entropy_coeff)
             if self.loss_name == "m2po":
                 if use_global_mask:
                     kw["keep_mask"] = to_device(keep_masks[id(mb)], dev)
@@ -439,7 +416,7 @@ class MegatronActor:
                 else:
                     counted = torch.ones_like(mask) if policy is None else policy
                 parts.append(ratio_parts(logp, behav, eng, counted))
-            ent_sums.append(torch.where(mask, ent, 0.0).sum().float())  # a filler's or dropped token's: 0
+            ent_sums.append(torch.where(mask, ent.detach(), 0.0).sum().float())  # a filler's or dropped token's: 0
             return loss * (n_local * self.dp_size), {}
 
         self._train_mode()

@@ -31,6 +31,8 @@ class TrainBatch:
         the environment inserted (tool output, chat template; False: context only, never counted anywhere a
         response token counts). One 1-D bool (or 0/1) tensor per sequence, response length, at least one
         True each. None (the default): every response token is the policy's, at no extra cost.
+    ref_log_probs: the reference model's log-probs of each response token (KL to the reference), which the
+        actor computes itself at the start of its step (actor.reference); None otherwise.
     """
 
     input_ids: list[torch.Tensor]
@@ -40,6 +42,7 @@ class TrainBatch:
     loss_weights: Optional[list[torch.Tensor]] = None
     routed_experts: Optional[list[Optional[torch.Tensor]]] = None
     loss_mask: Optional[list[torch.Tensor]] = None
+    ref_log_probs: Optional[list[torch.Tensor]] = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -56,6 +59,7 @@ class TrainBatch:
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("loss_mask", None)  # a batch pickled before the field existed
+        state.setdefault("ref_log_probs", None)
         for name in _FLAT:
             if isinstance(state.get(name), _Flat):
                 state[name] = state[name].unflatten()
@@ -111,6 +115,7 @@ class TrainBatch:
             loss_weights=None if self.loss_weights is None else [self.loss_weights[i] for i in idx],
             loss_mask=None if self.loss_mask is None else [self.loss_mask[i] for i in idx],
             routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in idx],
+            ref_log_probs=None if self.ref_log_probs is None else [self.ref_log_probs[i] for i in idx],
         )
 
     def validate(self, *, for_training: bool, vocab_size: Optional[int] = None, max_tokens: Optional[int] = None):

@@ -28,5 +28,6 @@ def three_policy_batch(batch: TrainBatch, proximal: list[torch.Tensor], spec: rc
     metrics = rc.read_stats([corr.stats])[0]
     out = TrainBatch(batch.input_ids, batch.prompt_lens, behav_log_probs=list(p.split(rl)),
                      advantages=batch.advantages, loss_weights=list(corr.weights.float().split(rl)),
-                     routed_experts=batch.routed_experts, loss_mask=batch.loss_mask)
+                     routed_experts=batch.routed_experts, loss_mask=batch.loss_mask,
+                     ref_log_probs=batch.ref_log_probs)
     return out, metrics

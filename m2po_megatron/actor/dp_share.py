@@ -40,6 +40,7 @@ def _with_filler(batch: TrainBatch) -> TrainBatch:
         routed_experts=None if batch.routed_experts is None else list(batch.routed_experts) + [None],
         # not a policy token either: out of every mask, not only the weighted ones
         loss_mask=None if batch.loss_mask is None else list(batch.loss_mask) + [torch.zeros(1, dtype=torch.bool)],
+        ref_log_probs=None if batch.ref_log_probs is None else list(batch.ref_log_probs) + [torch.zeros(1)],
     )
 
 

@@ -9,9 +9,12 @@ chunk of those rows:
   forward   logits_c = h_c @ W^T (W: this rank's vocabulary slice [V/tp, H] of the ColumnParallelLinear
             output layer, or the tied embedding), then the partials of actor.logprobs (local max, sum exp,
             sum exp x logit, target logit) in fp32 and the same two all-reduces over the tensor-parallel group;
-  backward  logits_c recomputed, dlogits_c = g ([j == t] - p_j), grad_h_c = dlogits_c @ W and
-            grad_W += dlogits_c^T @ h_c; grad_h all-reduced over the tensor-parallel group (each rank holds
-            the part of the gradient from its vocabulary slice), as ColumnParallelLinear's input gradient is.
+  backward  logits_c recomputed, dlogits_c = g ([j == t] - p_j) - g_H p_j (log p_j + H) (g, g_H: the
+            incoming gradients of the log-prob and the entropy; actor.logprobs.chunk_logit_grad),
+            grad_h_c = dlogits_c @ W and grad_W += dlogits_c^T @ h_c; grad_h all-reduced over the
+            tensor-parallel group (each rank holds the part of the gradient from its vocabulary slice), as
+            ColumnParallelLinear's input gradient is. The log-normaliser and H are global after the forward's
+            all-reduces and saved, so each rank's columns of dlogits need nothing from the other ranks.
 
 Precision: the GEMMs run in the parameters' dtype (cuBLAS and the CPU accumulate bf16 products in fp32),
 softmax and every sum in fp32. That is what megatron's output layer followed by actor.logprobs computed
@@ -20,14 +23,19 @@ copy of W ([V/tp, H]) or the CUDA-only `out_dtype` matmul. grad_W is summed over
 [V/tp, H] buffer (one rounding per chunk and vocabulary block, not a running bf16 sum) and handed to
 autograd, which casts it to the weight's dtype as megatron's own output layer's single GEMM would round it:
 backward holds 6 bytes per weight element in bf16 (4 in fp32), against 4 bytes per logit before. Rows not in `positions` get a
-zero hidden gradient (index_select's backward). The entropy is a diagnostic and carries no gradient.
+zero hidden gradient (index_select's backward).
+
+Both outputs carry a gradient: the entropy is the actor's metric, and the loss's bonus with
+`algo.entropy_coeff`. An output left out of the loss arrives in backward as None (missing gradients are not
+materialised as zeros), and then costs nothing; the entropy's term adds, per chunk, one fp32 temporary of
+[rows, ENTROPY_BLOCK] (actor.logprobs), not another chunk, and backward keeps H (4 bytes a row).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from .logprobs import chunk_partials, combine_partials, local_targets, tp_size_rank
+from .logprobs import chunk_logit_grad, chunk_partials, combine_partials, local_targets, tp_size_rank
 from .packing import to_device
 
 CHUNK_BYTES = 256 * 1024**2  # fp32 bytes of one chunk of logit rows (~440 rows of a 151,936 vocabulary)
@@ -55,25 +63,25 @@ class _FusedLogProbs(torch.autograd.Function):
         for s, e in _chunks(n, rows):
             chunk_partials((h[s:e] @ weight.t()).float(), local[s:e], m[s:e], sums[:, s:e])
         logp, entropy, lse = combine_partials(m, sums, owned, tp_group)
-        ctx.save_for_backward(h, weight, local, owned, lse)
+        ctx.save_for_backward(h, weight, local, owned, lse, entropy)
         ctx.tp_group, ctx.rows = tp_group, rows
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output outside the loss arrives as None and costs nothing
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
-        h, weight, local, owned, lse = ctx.saved_tensors
-        if grad_logp is None:
+    def backward(ctx, grad_logp, grad_entropy):
+        h, weight, local, owned, lse, entropy = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
             return None, None, None, None, None
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g = grad_logp.float()
+        g = None if grad_logp is None else grad_logp.float()
+        ge = None if grad_entropy is None else grad_entropy.float()
         grad_h = torch.empty_like(h) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         for s, e in _chunks(h.size(0), ctx.rows):
             hc = h[s:e]
-            p = (hc @ weight.t()).float().sub_(lse[s:e].unsqueeze(-1)).exp_()
-            p.mul_(-g[s:e].unsqueeze(-1))
-            p.scatter_add_(-1, local[s:e].unsqueeze(-1), (g[s:e] * owned[s:e]).unsqueeze(-1))
+            p = chunk_logit_grad((hc @ weight.t()).float(), lse[s:e], local[s:e], owned[s:e],
+                                 None if g is None else g[s:e], None if ge is None else ge[s:e], entropy[s:e])
             dl = p.to(weight.dtype)
             del p
             if want_h:
@@ -95,7 +103,8 @@ def fused_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, positions:
                           chunk_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [S, H] (the final norm's output, every row of the micro-batch on this rank), weight [V/tp, H]
     (this rank's vocabulary slice of the output layer), positions [R] distinct rows of `hidden`, target [R]
-    global token ids -> (log p(target) [R] fp32 with gradient to hidden and weight, entropy [R] fp32 without).
+    global token ids -> (log p(target) [R] fp32, entropy [R] fp32), both with gradient to hidden and weight
+    (entropy: in nats, over the whole vocabulary, every tensor-parallel rank holding the same values).
     Equal to token_log_probs(hidden @ weight.T, positions, target) without building the logits."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.size(1) != weight.size(1):
         raise ValueError(f"hidden must be [S, H] and weight [V/tp, H], got {tuple(hidden.shape)} and "

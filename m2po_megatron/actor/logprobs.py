@@ -9,10 +9,16 @@ tensor-parallel group (max, then the three sums rescaled to the global max) give
 
     log p(target) = l_t - m - log Z,   H = log Z - sum_j exp(l_j - m) (l_j - m) / Z,   Z = sum_j exp(l_j - m)
 
-so the vocabulary is never gathered on one rank. Backward recomputes softmax chunk by chunk from the saved
-logits and the saved log-normaliser: d log p(t) / d l_j = [j == t] - p_j. Extra memory: the chunk
-temporaries (a few x `chunk_bytes`) and, in backward, the logits' gradient in the logits' dtype. The entropy
-is a diagnostic and carries no gradient.
+so the vocabulary is never gathered on one rank. Both outputs carry a gradient. Backward recomputes the
+softmax chunk by chunk from the saved logits, the saved log-normaliser and the saved entropy (all global after
+the all-reduces, so each rank's columns need nothing from the others):
+
+    d log p(t) / d l_j = [j == t] - p_j,   d H / d l_j = -p_j (log p_j + H)
+
+The entropy term is computed only when the entropy reached the loss (its incoming gradient is not None: the
+function does not materialise missing gradients as zeros), by blocks of ENTROPY_BLOCK vocabulary columns, so
+it adds one [rows, ENTROPY_BLOCK] fp32 temporary, not another chunk. Extra memory: the chunk temporaries (a
+few x `chunk_bytes`) and, in backward, the logits' gradient in the logits' dtype.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import torch.distributed as dist
 from .packing import to_device
 
 CHUNK_BYTES = 64 * 1024**2  # fp32 bytes of one chunk of logit rows
+ENTROPY_BLOCK = 16384  # vocabulary columns per exp temporary of the entropy's gradient
 
 
 def _chunks(n: int, vocab: int, chunk_bytes: int):
@@ -74,6 +81,27 @@ def combine_partials(m: torch.Tensor, sums: torch.Tensor, owned: torch.Tensor, t
     return sums[2] - log_z, log_z - sums[1] / sums[0], m + log_z
 
 
+def chunk_logit_grad(x: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, owned: torch.Tensor,
+                     g: torch.Tensor | None, ge: torch.Tensor | None, ent: torch.Tensor) -> torch.Tensor:
+    """One chunk of fp32 logit rows x [c, V/tp] (overwritten and returned) -> the gradient of
+    sum_r g_r log p_r(t_r) + ge_r H_r with respect to them, given the rows' global log-normaliser `lse` [c]
+    and entropy `ent` [c]; g or ge None: that output is not in the loss (and costs nothing)."""
+    x.sub_(lse.unsqueeze(-1))  # log p_j
+    if ge is None:
+        x.exp_().mul_(-g.unsqueeze(-1))
+    else:  # p_j (a + b log p_j) with a = -g - ge H, b = -ge, by column blocks: exp(log p) and log p at once
+        b = -ge.unsqueeze(-1)
+        a = b * ent.unsqueeze(-1) if g is None else (b * ent.unsqueeze(-1)).sub_(g.unsqueeze(-1))
+        for v0 in range(0, x.size(-1), ENTROPY_BLOCK):
+            xb = x[:, v0:v0 + ENTROPY_BLOCK]
+            pb = xb.exp()
+            xb.mul_(b).add_(a).mul_(pb)
+            del pb
+    if g is not None:
+        x.scatter_add_(-1, local.unsqueeze(-1), (g * owned).unsqueeze(-1))
+    return x
+
+
 class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, positions, target, tp_group, chunk_bytes):
@@ -85,32 +113,33 @@ class _TokenLogProbs(torch.autograd.Function):
         for s, e in _chunks(n, vp, chunk_bytes):
             chunk_partials(logits.index_select(0, positions[s:e]).float(), local[s:e], m[s:e], sums[:, s:e])
         logp, entropy, lse = combine_partials(m, sums, owned, tp_group)
-        ctx.save_for_backward(logits, positions, local, owned, lse)
+        ctx.save_for_backward(logits, positions, local, owned, lse, entropy)
         ctx.chunk_bytes = chunk_bytes
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output outside the loss arrives as None and costs nothing
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
-        logits, positions, local, owned, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, positions, local, owned, lse, entropy = ctx.saved_tensors
         grad = torch.zeros_like(logits)
-        if grad_logp is None:
+        if grad_logp is None and grad_entropy is None:
             return grad, None, None, None, None
-        g = grad_logp.float()
+        g = None if grad_logp is None else grad_logp.float()
+        ge = None if grad_entropy is None else grad_entropy.float()
         for s, e in _chunks(positions.numel(), logits.size(-1), ctx.chunk_bytes):
-            p = logits.index_select(0, positions[s:e]).float().sub_(lse[s:e].unsqueeze(-1)).exp_()
-            p.mul_(-g[s:e].unsqueeze(-1))
-            p.scatter_add_(-1, local[s:e].unsqueeze(-1), (g[s:e] * owned[s:e]).unsqueeze(-1))
-            grad.index_copy_(0, positions[s:e], p.to(grad.dtype))
-            del p
+            x = logits.index_select(0, positions[s:e]).float()
+            chunk_logit_grad(x, lse[s:e], local[s:e], owned[s:e], None if g is None else g[s:e],
+                             None if ge is None else ge[s:e], entropy[s:e])
+            grad.index_copy_(0, positions[s:e], x.to(grad.dtype))
+            del x
         return grad, None, None, None, None
 
 
 def token_log_probs(logits: torch.Tensor, positions: torch.Tensor, target: torch.Tensor, tp_group=None,
                     chunk_bytes: int = CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [S, V/tp] (any float dtype, this rank's vocabulary slice), positions [R] distinct rows of
-    `logits`, target [R] global token ids -> (log p(target) [R] fp32 with gradient, entropy [R] fp32
-    without). Rows outside `positions` get a zero gradient."""
+    `logits`, target [R] global token ids -> (log p(target) [R] fp32, entropy [R] fp32), both with gradient
+    to the logits. Rows outside `positions` get a zero gradient."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [S, V/tp], got shape {tuple(logits.shape)}")
     if positions.shape != target.shape or positions.dim() != 1:

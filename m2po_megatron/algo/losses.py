@@ -14,6 +14,11 @@ Every loss is a surrogate whose gradient with respect to log_prob on an *active*
                (algo/seq_mask.py).
   - dual_clip=c (any loss but cispo, M2PO included): tokens with A < 0 and r > c are also inactive (loss -A*c),
     which bounds the large-ratio negative tokens that lie outside T (see docs/algo.md).
+  - kl_coef with ref_log_prob (any loss): + kl_coef x KL(theta || reference) per token (algo/kl.py's types),
+    and entropy_coeff with entropy (any loss): - entropy_coeff x the token's entropy. Both act on every valid
+    token, those M2PO, a clip or the sequence mask leave out of the policy term included (as verl's and
+    slime's do: those masks are the policy gradient's), and are aggregated with the policy term's mode and
+    denominators, so the three sum per token before aggregation.
 The active set is decided on detached values first and exp() is only evaluated on active tokens, so a
 huge ratio on an inactive token cannot turn the gradient into NaN (0 * inf).
 
@@ -43,6 +48,7 @@ from m2po_megatron.algo._layout import (
 )
 from m2po_megatron.algo.aggregation import norm_scale_factor
 from m2po_megatron.algo.cispo import DEFAULT_EPS as CISPO_EPS, check_eps as check_cispo_eps, cispo_surrogate
+from m2po_megatron.algo.kl import check_kl_type, kl_penalty
 from m2po_megatron.algo.mask import bounded_tokens, check_tau_rule, keep_trust_region
 from m2po_megatron.algo.seq_mask import check_delta, opsm_drop
 
@@ -56,21 +62,23 @@ DEFAULT_AGG = {"m2po": "token-mean", "grpo": "token-mean", "grpo_notr": "token-m
                "cispo": "token-mean"}
 
 
-_CHECKED = ("log_prob", "behav_log_prob", "advantages")
+_CHECKED = ("log_prob", "behav_log_prob", "advantages", "ref_log_prob")
 # The device vector of LossStats: these sums and counts, then the non-finite counts of _CHECKED.
 _STATS = ("loss", "sum_v_tr", "n_tr", "sum_v_kept", "n_kept", "n_masked", "n_clip", "n_dual", "ratio_sum",
-          "ratio_min", "ratio_max", "k1_sum", "k3_sum", "n_tokens", "n_seqs", "kept_min", "kept_max", "n_opsm")
+          "ratio_min", "ratio_max", "k1_sum", "k3_sum", "n_tokens", "n_seqs", "kept_min", "kept_max", "n_opsm",
+          "kl_loss", "ref_k1_sum", "ref_k3_sum")
 
 
 @dataclass
 class LossStats:
-    """policy_loss's metrics still on the device: `values` [len(_STATS) + 3] float64 (see _STATS, then the
-    non-finite counts of log_prob, behav_log_prob, advantages). Read with read_loss_stats."""
+    """policy_loss's metrics still on the device: `values` [len(_STATS) + 4] float64 (see _STATS, then the
+    non-finite counts of _CHECKED). Read with read_loss_stats."""
 
     values: Tensor
     where: str
     has_seqs: bool
     has_opsm: bool = False
+    has_ref: bool = False
 
 
 def read_loss_stats(stats: list[LossStats], rows: list[list[float]] | None = None) -> list[dict[str, float]]:
@@ -83,7 +91,7 @@ def read_loss_stats(stats: list[LossStats], rows: list[list[float]] | None = Non
         rows = torch.stack([s.values for s in stats]).tolist()
     for s, row in zip(stats, rows):
         raise_nonfinite(s.where, _CHECKED, row[len(_STATS):len(_STATS) + len(_CHECKED)])
-    return [_metrics_from_row(row, s.has_seqs, s.has_opsm) for s, row in zip(stats, rows)]
+    return [_metrics_from_row(row, s.has_seqs, s.has_opsm, s.has_ref) for s, row in zip(stats, rows)]
 
 
 def _denominator(given, local: Tensor, what: str, arg: str):
@@ -175,6 +183,13 @@ def policy_loss(
             Needs sequences (padded rows, or flat seq_ids).
         weights: detached per-token factors >= 0 on each token's loss, same shape (a rollout correction's
             importance weights, algo.rollout_correction); the denominators are unchanged. None: all 1.
+            They weigh the policy term only, not the KL or entropy terms.
+        ref_log_prob, kl_coef, kl_type: the reference model's log-probs of the same tokens (detached) and the
+            KL term's weight and estimator (algo.kl.KL_TYPES; verl's kl_loss_coef / kl_loss_type). None: no
+            KL term. The metrics then add kl_loss (the aggregated KL, before the coefficient), kl_ref/k1 and
+            kl_ref/k3 (token means of log(theta / reference) and its k3, whatever the type).
+        entropy, entropy_coeff: per-token entropy of theta (with its gradient, actor.fused_logprobs) and the
+            bonus's weight (verl's entropy_coeff): the loss adds -entropy_coeff x entropy per token.
 
     Returns:
         (loss, metrics). Metric keys: loss, m2po/m2_before, m2po/m2_after, m2po/masked_frac,
@@ -217,6 +232,11 @@ def policy_loss_on_device(
     weights: Tensor | None = None,
     opsm_delta: float | None = None,
     loss_scale_factor: float | None = None,
+    ref_log_prob: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_type: str = "low_var_kl",
+    entropy: Tensor | None = None,
+    entropy_coeff: float = 0.0,
 ) -> tuple[Tensor, LossStats]:
     """policy_loss without reading the device: (loss, LossStats). Arguments as policy_loss. Non-finite inputs
     on valid tokens do not raise here: those tokens are left out of the loss and counted in the stats, and
@@ -248,6 +268,14 @@ def policy_loss_on_device(
         eps = None
     if name == "m2po" and keep_mask is None:
         check_tau_rule(tau, rule)
+    if ref_log_prob is not None:
+        kl_type = check_kl_type(kl_type)
+        if not (math.isfinite(float(kl_coef)) and float(kl_coef) >= 0):
+            raise ValueError(f"kl_coef must be a finite weight >= 0 (verl's kl_loss_coef, e.g. 0.001), got {kl_coef!r}")
+    if not math.isfinite(float(entropy_coeff)):
+        raise ValueError(f"entropy_coeff must be finite, got {entropy_coeff!r}")
+    if entropy_coeff and entropy is None:
+        raise ValueError("entropy_coeff needs the per-token entropy (with its gradient)")
 
     mask = as_bool_mask(mask, "mask")
     if log_prob.dim() == 2 and advantages.dim() == 2 and advantages.shape[1] == 1:
@@ -258,7 +286,8 @@ def policy_loss_on_device(
             f"broadcast per-sequence advantages to tokens (adv[:, None] padded, adv[seq_ids] flat)"
         )
     check_same_shape("log_prob", log_prob, behav_log_prob=behav_log_prob, advantages=advantages, mask=mask,
-                     keep_mask=keep_mask, weights=weights)
+                     keep_mask=keep_mask, weights=weights, ref_log_prob=ref_log_prob,
+                     entropy=entropy if entropy_coeff else None)
 
     vt = valid_tokens(mask, seq_ids, where, num_seq_ids)
     needs_seqs = name == "gspo" or agg != "token-mean" or opsm_delta is not None
@@ -313,23 +342,42 @@ def policy_loss_on_device(
     n_seqs = (seq_count > 0).sum() if seq_count is not None else None
     if agg == "token-mean":
         denom = _denominator(num_tokens, n, "valid tokens", "num_tokens")
-        total = tok.sum()
     else:
         denom = _denominator(num_seqs, n_seqs, "sequences", "num_seqs")
-        per_seq = vt.seq_sum(tok)
+
+    def aggregate(per_token: Tensor) -> Tensor:
+        if agg == "token-mean":
+            return _divide(per_token.sum(), denom)
+        per_seq = vt.seq_sum(per_token)
         if agg == "seq-mean-token-mean":
             per_seq = per_seq / seq_count.clamp(min=1)
         total = per_seq.sum()
         if scale is not None:  # Dr.GRPO: each sequence's token sum over the constant, then the sequence mean
             total = total / scale
-    loss = _divide(total, denom)
+        return _divide(total, denom)
 
-    values = _stats(loss, lr_d, valid, n, n_seqs, tr, keep, clipped, dual, bad, dropped)
-    return loss, LossStats(values=values, where=where, has_seqs=vt.known_seqs, has_opsm=dropped is not None)
+    ref = None
+    if ref_log_prob is not None:  # KL(theta || reference) on every valid token (not only the policy term's)
+        rlp = vt.take(ref_log_prob).detach().to(dtype)
+        bad = torch.cat([bad, nonfinite_counts(vt.valid, rlp)])  # read_loss_stats raises on it
+        on = valid & torch.isfinite(rlp)
+        kl_tok = torch.where(on, kl_penalty(torch.where(on, lp, zero), torch.where(on, rlp, zero), kl_type), zero)
+        ref = (aggregate(kl_tok).detach(), torch.where(on, lp.detach() - rlp, zero))
+        tok = tok + float(kl_coef) * kl_tok
+    else:
+        bad = torch.cat([bad, bad.new_zeros(1)])
+    if entropy_coeff:
+        ent = vt.take(entropy).to(dtype)
+        tok = tok - float(entropy_coeff) * torch.where(valid & torch.isfinite(ent.detach()), ent, zero)
+    loss = aggregate(tok)
+
+    values = _stats(loss, lr_d, valid, n, n_seqs, tr, keep, clipped, dual, bad, dropped, ref)
+    return loss, LossStats(values=values, where=where, has_seqs=vt.known_seqs, has_opsm=dropped is not None,
+                           has_ref=ref is not None)
 
 
 @torch.no_grad()
-def _stats(loss, lr, valid, n, n_seqs, tr, keep, clipped, dual, bad, dropped=None) -> Tensor:
+def _stats(loss, lr, valid, n, n_seqs, tr, keep, clipped, dual, bad, dropped=None, ref=None) -> Tensor:
     """The device vector of LossStats (see _STATS); every sum masked to the valid tokens."""
     f64 = torch.float64
     lr64 = lr.to(f64)
@@ -357,12 +405,22 @@ def _stats(loss, lr, valid, n, n_seqs, tr, keep, clipped, dual, bad, dropped=Non
         torch.where(valid, r, zero).sum(), rmin, rmax, (-lr64).sum(), torch.where(valid, r - 1 - lr64, zero).sum(),
         n.to(f64), (n_seqs if n_seqs is not None else torch.full((), -1, device=r.device)).to(f64), kmin, kmax,
         dropped.sum().to(f64) if dropped is not None else zero,
+        *(_ref_sums(ref, valid) if ref is not None else (zero, zero, zero)),
     ]), bad.to(f64)])
 
 
-def _metrics_from_row(row: list[float], has_seqs: bool, has_opsm: bool = False) -> dict[str, float]:
+def _ref_sums(ref, valid) -> tuple[Tensor, Tensor, Tensor]:
+    """(the aggregated KL term, sum of log(theta/ref), sum of its k3) over the valid tokens."""
+    kl_agg, lr = ref
+    lr = lr.to(torch.float64)
+    k3 = torch.where(valid, torch.exp(-lr) - 1 + lr, torch.zeros_like(lr))
+    return kl_agg.to(torch.float64), lr.sum(), k3.sum()
+
+
+def _metrics_from_row(row: list[float], has_seqs: bool, has_opsm: bool = False,
+                      has_ref: bool = False) -> dict[str, float]:
     (loss_v, sv, nt, sv_kept, n_kept, n_masked, n_clip, n_dual, rsum, rmin, rmax, k1, k3, n,
-     n_seqs, kmin, kmax, n_opsm) = row[:len(_STATS)]
+     n_seqs, kmin, kmax, n_opsm, kl_loss, ref_k1, ref_k3) = row[:len(_STATS)]
 
     def mean(s, c):
         return s / c if c > 0 else 0.0
@@ -389,4 +447,6 @@ def _metrics_from_row(row: list[float], has_seqs: bool, has_opsm: bool = False) 
         out["count/seqs"] = float(n_seqs)
     if has_opsm:
         out["opsm/masked_frac"] = mean(n_opsm, n)
+    if has_ref:
+        out.update({"kl_loss": kl_loss, "kl_ref/k1": mean(ref_k1, n), "kl_ref/k3": mean(ref_k3, n)})
     return out

@@ -1,7 +1,7 @@
 """Exact combination of policy_loss metric dicts over micro-batches (and, in distributed.py, over ranks).
 
 Each mean-type metric carries its weight in a count key, so combined means are exact:
-  - summed:              loss (correct when every call used the global denominators num_tokens/num_seqs;
+  - summed:              loss and kl_loss (correct when every call used the global denominators num_tokens/num_seqs;
                          otherwise pass loss="mean"), m2po/num_trust_region and the count/* keys;
   - weighted means:      m2po/m2_before by m2po/num_trust_region, m2po/m2_after by count/kept_trust_region,
                          every other fraction / mean / KL estimate by count/tokens;
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-SUM_KEYS = ("loss", "m2po/num_trust_region", "count/tokens", "count/seqs", "count/kept_trust_region")
+SUM_KEYS = ("loss", "kl_loss", "m2po/num_trust_region", "count/tokens", "count/seqs", "count/kept_trust_region")
 MEAN_WEIGHT = {
     "m2po/m2_before": "m2po/num_trust_region",
     "m2po/m2_after": "count/kept_trust_region",
@@ -25,6 +25,8 @@ MEAN_WEIGHT = {
     "ratio/mean": "count/tokens",
     "kl/k1": "count/tokens",
     "kl/k3": "count/tokens",
+    "kl_ref/k1": "count/tokens",
+    "kl_ref/k3": "count/tokens",
 }
 MIN_KEYS = ("ratio/min", "ratio/kept_min")
 MAX_KEYS = ("ratio/max", "ratio/kept_max")

@@ -110,6 +110,15 @@ class AlgoSection:
     # log(behaviour / current) exceeds opsm_delta; any loss
     use_opsm: bool = False
     opsm_delta: float = 1e-4
+    # KL to a frozen reference model (the initial weights) as a loss term (verl's actor names and defaults):
+    # kl_loss_type kl|k1, abs, mse|k2, low_var_kl|k3, and each with "+" (k2's unbiased gradient, verl's); the
+    # reference sits on the host between its passes unless ref_param_offload is false (algo/kl.py, actor/reference.py)
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    ref_param_offload: bool = True
+    # entropy bonus (verl's entropy_coeff): loss -= entropy_coeff x the entropy aggregated as the policy loss is
+    entropy_coeff: float = 0.0
     norm_adv_by_std: bool = True
     adv_eps: float = 1e-6
     dual_clip_c: Optional[float] = None  # e.g. 3.0; bounds A<0 tokens with huge ratios, any loss

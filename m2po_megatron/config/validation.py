@@ -201,6 +201,17 @@ def _check_algo_terms(a: DictConfig, errors: list[str]) -> None:
                           f"seq-mean-token-sum-norm only, not {agg}; set it to null or change the mode")
     if a.use_opsm and not math.isfinite(a.opsm_delta):
         errors.append(f"algo.opsm_delta = {a.opsm_delta} must be a finite threshold (slime's default 1e-4)")
+    from m2po_megatron.algo.kl import check_kl_type  # KL to the reference model (algo/kl.py)
+
+    try:
+        check_kl_type(a.kl_loss_type)
+    except ValueError as e:
+        errors.append(f"algo.{e}")
+    if not (math.isfinite(a.kl_loss_coef) and a.kl_loss_coef >= 0):
+        errors.append(f"algo.kl_loss_coef = {a.kl_loss_coef} must be finite and >= 0 (verl's default 0.001)")
+    if not math.isfinite(a.entropy_coeff):
+        errors.append(f"algo.entropy_coeff = {a.entropy_coeff} must be finite (verl's default 0; > 0 rewards "
+                      f"entropy)")
 
 
 def _check_rollout_correction(cfg: DictConfig, errors: list[str]) -> None:
@@ -412,6 +423,7 @@ def estimate_memory(cfg: DictConfig, hf: Optional[dict] = None) -> Optional[dict
     if hf is None:
         return None
     from m2po_megatron.models.memory import estimate_gpu_memory
+    from m2po_megatron.models.reference_memory import recipe_reference
 
     p = cfg.parallel
     replay = cfg.algo.routing_replay
@@ -429,7 +441,8 @@ def estimate_memory(cfg: DictConfig, hf: Optional[dict] = None) -> Optional[dict
             expert_model_parallel_size=p.expert_model_parallel_size,
             expert_tensor_parallel_size=p.expert_tensor_parallel_size,
             moe_aux_loss=(cfg.model.moe_aux_loss_coeff or 0) > 0,
-            routing_replay=replay if replay in choices()["algo.routing_replay"] else "none")  # else reported
+            routing_replay=replay if replay in choices()["algo.routing_replay"] else "none",  # else reported
+            **recipe_reference(cfg))
     except ValueError as e:
         raise ConfigError(f"memory estimate of this layout: {e} (parallel.*); use sizes that divide the model") from None
 

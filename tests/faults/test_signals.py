@@ -10,6 +10,9 @@ from harness import (RUN_TIMEOUT, Driver, assert_accounting, assert_checkpoints_
 
 DETERMINISTIC = ("reward/mean", "response_length/mean", "loss", "grad_norm", "m2po/m2_before", "staleness/mean",
                  "staleness/max", "samples/generated", "samples/consumed", "samples/pending", "kl/k3")
+# with the KL to the reference model and the entropy bonus on: a resumed run rebuilds the reference from the
+# initial weights (a checkpoint carries no copy), so its KL equals the uninterrupted run's
+WITH_KL = DETERMINISTIC + ("kl_loss", "kl_ref/k3", "entropy")
 
 
 def start(drivers, short_tmp, tmp_path, name, *args):
@@ -22,12 +25,16 @@ def start(drivers, short_tmp, tmp_path, name, *args):
 def test_sigterm_mid_step_checkpoints_and_the_fixed_lag_resume_equals_the_uninterrupted_run(
         tiny_task, tmp_path, short_tmp, drivers):
     lag = ["staleness.mode=fixed_lag", "staleness.lag_steps=1", "staleness.behav_logprob_source=trainer",
-           "train.steps=4"]
+           "train.steps=4", "algo.use_kl_loss=true", "algo.entropy_coeff=0.001"]
     full = start(drivers, short_tmp, tmp_path, "full", *small(tiny_task, tmp_path, "full", *lag))
     assert full.finish() == 0, full.output()[-5000:]
     ref = step_rows(tmp_path / "full")
     # the released code's simulation: step 1 trains base-model data, later steps have staleness k x U = 2
     assert [r["staleness/max"] for r in ref] == [0, 2, 2, 2]
+    # the reference is the initial weights: no KL at the first update, then some as soon as the policy has moved
+    # (each step measures it on new samples, so it need not grow monotonically)
+    assert ref[0]["updates"][0]["kl_ref/k3"] == 0 and ref[0]["updates"][0]["kl_loss"] == 0
+    assert ref[0]["updates"][1]["kl_ref/k3"] > 0 and all(r["kl_ref/k3"] > 0 for r in ref[1:])
 
     cut = start(drivers, short_tmp, tmp_path, "cut", *small(tiny_task, tmp_path, "cut", *lag))
     cut.wait_rows(tmp_path / "cut", 1)
@@ -47,7 +54,7 @@ def test_sigterm_mid_step_checkpoints_and_the_fixed_lag_resume_equals_the_uninte
     resumed = step_rows(tmp_path / "cut")
     assert_accounting(resumed)
     for a, b in zip(ref, resumed):  # sampling is seeded per group: the same numbers at every step
-        for key in DETERMINISTIC:
+        for key in WITH_KL:
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
     assert_nothing_left(again, [rollout_port(tmp_path / "cut")])
 
