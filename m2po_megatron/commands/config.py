@@ -30,7 +30,8 @@ def run(args) -> int:
 
 
 def colocated_line(cfg, hf: dict, est: dict) -> str:
-    """Both phases of a colocated step on one shared GPU (models/colocated_memory.py)."""
+    """Each phase of a colocated step (generation, training, weight_sync) on one shared GPU
+    (models/colocated_memory.py)."""
     from m2po_megatron.models.colocated_memory import colocated_from_config, format_colocated
 
     co = colocated_from_config(cfg, hf, est)

@@ -15,6 +15,13 @@ From the run's timeline (trace.json) and metrics:
   Ray call, packing) the fixed part.
 - **Weight sync**: the loop's `weight_sync` spans (the servers are paused: nothing overlaps).
 - **Loop**: `time/step` less waiting, training and syncing, per step.
+- **The rollout client** (`client_per_sample_s`): its host time per generated sample outside the engine
+  (sending requests, reward scoring, grouping). Per calibrated step, the loop's `wait_rollout` span less the
+  time inside it that something the simulation models was busy (any engine's decode or prefill span, a trainer
+  rank's span such as the behaviour log-prob pass, a colocated swap phase, which `loop_fixed_s` holds), over
+  the samples the step generated (the metric `samples/generated`, cumulative, differenced; else
+  `batch/sequences`); the median over the steps. `fit["client"]` also gives the engine's prefill spans per
+  step, how spread out over the wait the requests reached it (a diagnostic; not modelled).
 - **Lengths**: response lengths' mean and coefficient of variation and the mean prompt length, from metrics.
 - **Colocation** (a run with cluster.colocate): the per-step seconds of the memory swap's phases, the metrics
   `time/colocate/{release,reload,offload,resume_weights,resume_kv}` (`fit["colocate"]`, with their sum
@@ -38,7 +45,7 @@ from typing import Optional
 from m2po_megatron.plan.costs import Costs
 from m2po_megatron.plan.sim import LengthDist
 
-__all__ = ["COLOCATE_PHASES", "Calibration", "calibrate", "colocate_fit", "measured", "run_spans"]
+__all__ = ["COLOCATE_PHASES", "Calibration", "calibrate", "client_fit", "colocate_fit", "measured", "run_spans"]
 
 DEFAULT_SKIP = 3
 CPU_MAX_RUNNING = 256  # the CPU server's --max-running-requests default (rollout/local_server.py)
@@ -264,7 +271,8 @@ def calibrate(run_dir: str | Path, skip: int = DEFAULT_SKIP, cores: Optional[int
     cfg = load_config(rdir / "config.yaml", check_files=False)
     spans = run_spans(rdir)
     window = _window(spans, skip)
-    rows = [r for r in read_metrics(rdir / "metrics.jsonl") if r["step"] > skip and "time/step" in r]
+    every = [r for r in read_metrics(rdir / "metrics.jsonl") if "time/step" in r]
+    rows = [r for r in every if r["step"] > skip]
     if not rows:
         raise ValueError(f"{rdir / 'metrics.jsonl'} has no training step after the first {skip}")
     tl = _timeline(rdir, spans, window, rows, skip)
@@ -287,16 +295,19 @@ def calibrate(run_dir: str | Path, skip: int = DEFAULT_SKIP, cores: Optional[int
     colocate = colocate_fit(rows, spans, window)
     if colocate:
         loop_s += colocate["in_wait_s"]
+    client = client_fit(every, spans, skip)
     costs = dataclasses.replace(
         costs, train_fixed_s=max(fixed, 0.0), train_per_update_s=per["optimizer"] / tl.updates,
         train_per_token_s=per["forward_backward"] / tl.tokens, logprob_per_token_s=per["logprob_pass"] / tl.tokens,
         decode_fixed_s=decode_coef[0], decode_per_seq_s=decode_coef[1], decode_per_kv_s=decode_coef[2],
         prefill_per_token_s=sum(work(p[0], p[1], p[3]) for p in tl.prefill) / pre_tokens if pre_tokens else 0.0,
         sync_fixed_s=statistics.fmean(s[1] - s[0] for s in tl.syncs) if tl.syncs else 0.0, loop_fixed_s=loop_s,
+        client_per_sample_s=client["per_sample_s"] if client else 0.0,
         source=f"calibrated on {rdir} (steps after {skip})")
     fit = {"skip": skip, "steps": len(rows), "decode_spans": len(tl.decode), "cores": cores, "rms_rel_error": rms,
            "contention": alpha, "train_steps": len(tl.steps), "updates": tl.updates, "syncs": len(tl.syncs),
-           "prefill_spans": len(tl.prefill), **({"colocate": colocate} if colocate else {})}
+           "prefill_spans": len(tl.prefill), **({"colocate": colocate} if colocate else {}),
+           **({"client": client} if client else {})}
     lens = [(r["response_length/mean"], r.get("response_length/std", 0.0)) for r in rows
             if "response_length/mean" in r]
     m = statistics.fmean(x for x, _ in lens)
@@ -324,6 +335,43 @@ def colocate_fit(rows: list[dict], spans: dict, window: tuple[float, float]) -> 
     out["in_wait_s"] = in_wait / len(rows)
     out["spans"] = len(mine)
     return out
+
+
+def client_fit(rows: list[dict], spans: dict, skip: int) -> Optional[dict]:
+    """The rollout client's host time per generated sample (the module's docstring): {"per_sample_s": the
+    median over the steps after `skip`, "steps", "gap_s": the mean seconds per step of the wait outside every
+    modelled span, "samples": the mean samples generated per step, "prefills_per_step": the engine's prefill
+    spans inside the wait, mean}; None when no step has a wait span and samples. `rows`: every metrics row
+    with time/step (the earlier ones difference samples/generated). The k-th wait_rollout span (from 0) is
+    step k + 1's, as the loop traces them."""
+    waits = sorted(spans["loop"].get("wait_rollout", []))
+    engine = [(d[0], d[1]) for d in spans["decode"] + spans["prefill"]]
+    modelled = _Intervals(engine + [iv for r in spans["rank_busy"].values() for iv in r]
+                          + [(a, b) for a, b, _ in spans.get("colocate", [])])
+    prefill_starts = sorted(p[0] for p in spans["prefill"])
+    by_step = {r["step"]: r for r in rows}
+    per, gaps, counts, spread = [], [], [], []
+    for r in sorted(rows, key=lambda r: r["step"]):
+        k = r["step"]
+        if k <= skip or k > len(waits):
+            continue
+        prev = by_step.get(k - 1, {"samples/generated": 0} if k == 1 else {})
+        if "samples/generated" in r and "samples/generated" in prev:
+            n = r["samples/generated"] - prev["samples/generated"]
+        else:
+            n = r.get("batch/sequences", 0)
+        a, b = waits[k - 1][0], waits[k - 1][1]
+        gap = (b - a) - sum(hi - lo for lo, hi in modelled.clip(a, b))
+        if n <= 0:
+            continue
+        per.append(max(gap, 0.0) / n)
+        gaps.append(gap)
+        counts.append(n)
+        spread.append(bisect.bisect_left(prefill_starts, b) - bisect.bisect_left(prefill_starts, a))
+    if not per:
+        return None
+    return {"per_sample_s": statistics.median(per), "steps": len(per), "gap_s": statistics.fmean(gaps),
+            "samples": statistics.fmean(counts), "prefills_per_step": statistics.fmean(spread)}
 
 
 def measured(run_dir: str | Path, skip: int = DEFAULT_SKIP) -> dict:

@@ -14,9 +14,11 @@ trainer on all of them, plus what colocation adds per step:
 - **the weight sync in place**: the new weights reach the engine on the same GPUs (CUDA IPC, NVLink across a
   tensor-parallel group): the sync's NVLink path.
 With the trainer's states offloaded, the engine gets the GPU as a disaggregated server would, less what the
-offloaded trainer keeps (models/colocated_memory.py). Both phases must fit the GPU: the training phase (the
-trainer's estimate plus what the released engine keeps) and the generation phase (the KV pool SGLang would get
-must hold one sequence of the longest context); a rollout TP whose generation phase does not fit is skipped.
+offloaded trainer keeps (models/colocated_memory.py). Every phase must fit the GPU: the training phase (the
+trainer's estimate plus what the released engine keeps), the generation phase (the KV pool SGLang would get
+must hold one sequence of the longest context) and the weight_sync phase (the trainer without activations,
+the engine's weights and the sync's buckets); a rollout TP whose generation or weight_sync phase does not fit
+is skipped.
 
 `m2po train` runs these layouts (cluster.colocate): a proposal carries the overrides that run it (the
 trainer layout, cluster.colocate, the engines covering the trainer's GPUs: rollout.num_servers x
@@ -118,7 +120,7 @@ def colocated(cfg: DictConfig, gpus: int, gpus_per_node: int, gpu: str, *, seeds
               **colocate_overrides(gpus, gpus_per_node, mem_gb), **expert_overrides(hf, lay.tp, lay.ep)}
         rc = OmegaConf.merge(c, OmegaConf.from_dotlist([f"{k}={v}" for k, v in ov.items()]))
         if colocated_from_config(rc, hf, est)["over"] or check(c, ov) is not None:
-            continue  # its generation phase does not fit (a KV pool too small), or validation refuses it
+            continue  # its generation or weight_sync phase does not fit, or validation refuses it
         cand = Candidate(lay, ov, est["total"] + ENGINE_RELEASED_GB)  # the training phase's peak
         cand.spec = spec_from_config(c, num_servers=lay.num_servers, response=response, prompt_len=prompt_len)
         # the weights reach the engine in place: the sync's NVLink path

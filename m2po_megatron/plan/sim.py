@@ -15,7 +15,11 @@ their version, so a sample's version is its server's version when it started.
 
 The loop is train.py's order: take a batch (waiting as long as the generator makes it), train for
 Costs.train_s while the servers go on, step the version by updates_per_step, push weights when the generator
-asks, then the loop's own Costs.loop_fixed_s. On a host whose cores the trainer and the servers share
+asks, then the loop's own Costs.loop_fixed_s. The rollout client's host time outside the engine (sending
+requests, scoring, grouping: Costs.client_per_sample_s, measured by a calibration) is charged for the samples
+answered while the loop waits for its batch, after they are answered: in the synchronous modes every sample the
+step generates; in bounded mode only those answered during a wait, since the client's work on the others runs
+while the trainer trains and is off the step's critical path. On a host whose cores the trainer and the servers share
 (Costs.shared_cores, the CPU machine), every busy component runs at Costs.speed(number busy): the clock counts
 work and maps it to wall time between events. The staleness of a sample is the trainer version at its step
 minus its version, as in rollout/samples.build_step_batch.
@@ -329,12 +333,14 @@ class _Maker(GroupMaker):
     def __init__(self, clock: _Clock, servers: list[_Server], spec: SimSpec, rng: random.Random):
         super().__init__(client=None, rewards=None, tokenizer=None, tokenize=None, sampling={}, n=spec.n, seed=0)
         self.clock, self.servers, self.spec, self.rng = clock, servers, spec, rng
+        self.sent = 0  # samples requested so far
 
     def new_group(self, gid: str, row: dict) -> Group:
         return Group(group_id=gid, prompt_id=str(row["id"]), prompt_ids=range(self.spec.prompt_len), answer="")
 
     def submit(self, group: Group) -> _Future:
         fut = _Future(self.clock)
+        self.sent += self.n
         server = min(self.servers, key=lambda s: s.inflight)
         lengths = [self.spec.response.sample(self.rng) for _ in range(self.n)]
         server.submit(_Request(self.n, fut), self.spec.prompt_len, lengths)
@@ -374,6 +380,7 @@ def simulate(spec: SimSpec, costs: Costs, steps: int, seed: int = 0, skip: Optio
     rng = random.Random(seed)
     clock = _Clock(costs.speed)
     trainer = _Busy()
+    client = _Busy()  # the rollout client's host work outside the engine (Costs.client_per_sample_s)
     max_running = max(1, min(costs.max_running, spec.max_concurrency))
     servers = [_Server(clock, costs, max_running) for _ in range(spec.num_servers)]
     maker = _Maker(clock, servers, spec, rng)
@@ -412,14 +419,21 @@ def simulate(spec: SimSpec, costs: Costs, steps: int, seed: int = 0, skip: Optio
         t0 = clock.wall
         passes[:] = [0, 0.0]
         if spec.mode == "bounded":
+            first, waited = clock.completions, False
             while (groups := gen.take_batch()) is None:
+                waited = True
                 answered = clock.completions  # a batch can form only once another request is answered
                 while clock.completions == answered:
                     if not clock.run_next():
                         raise RuntimeError("the simulated pipeline stalled: no batch can form and nothing runs "
                                            "(a bug in plan/sim.py or in the controller it drives)")
+            on_path = (clock.completions - first) * spec.n if waited else 0  # answered while the loop waited
         else:
+            sent = maker.sent
             groups = gen.next_groups(version)
+            on_path = maker.sent - sent  # the step waits for every sample it generates
+        if costs.client_per_sample_s and on_path:
+            client.work(clock, on_path * costs.client_per_sample_s)
         t1 = clock.wall
         samples = [s for g in groups for s in g.samples if s.output_ids]
         stale = [version - s.min_version for s in samples]
