@@ -125,6 +125,7 @@ def train(cfg: DictConfig, allow_change: tuple[str, ...] = ()) -> Path:
                 sb = build_batch(cfg, groups, version, ledger)  # advantages, staleness gating, ledger
             swapped = swap.to_train() if swap is not None else {}  # colocated: engines release, trainer reloads
             t1 = time.perf_counter()
+            kl_metrics = reward_kl(cfg, trainers, sb)  # the KL in the reward: advantages reshaped, if asked
             out = train_on(cfg, trainers, sb.batch)
             updates = out.pop("per_update", None)  # each optimizer update's own metrics, logged as a list
             out.update(logprob_mismatch(sb.samples, updates, version, out))
@@ -154,7 +155,7 @@ def train(cfg: DictConfig, allow_change: tuple[str, ...] = ()) -> Path:
             gen = generator.stats(since=t0)
             if cfg.train.filter_groups.enable:  # a step that could not fill its batch says so
                 gen.extra["filter_groups/unfilled_groups"] = cfg.train.prompts_per_step - len(groups)
-            metrics = {"version": version, **sb.metrics, **out, **accounting, **gen.rewards, **gen.extra,
+            metrics = {"version": version, **sb.metrics, **kl_metrics, **out, **accounting, **gen.rewards, **gen.extra,
                        **resynced, **sync_stats,
                        "time/wait_rollout": t_wait, "time/train": t_train, "time/weight_sync": t_sync,
                        "time/step": time.perf_counter() - t0, **swapped, **({"updates": updates} if updates else {}),
@@ -242,6 +243,31 @@ def build_batch(cfg: DictConfig, groups, version: int, ledger):
     return build_step_batch(groups, version, ledger, max_staleness=bound, drop_too_stale=s.drop_too_stale,
                             norm_by_std=cfg.algo.norm_adv_by_std, eps=cfg.algo.adv_eps,
                             overlong_filtering=cfg.algo.overlong_filtering)
+
+
+def reward_kl(cfg: DictConfig, trainers, sb) -> dict:
+    """algo.use_kl_in_reward: the reference's log-probs of the step's batch from the trainer ranks, and the
+    batch's advantages recomputed from rewards less the KL penalty (algo/kl_reward.py); the batch keeps the
+    reference log-probs, so the train step does not compute them again."""
+    import ray
+    import torch
+
+    from m2po_megatron.algo.kl_reward import penalised_advantages
+
+    a = cfg.algo
+    if not a.use_kl_in_reward or sb.batch is None:
+        return {}
+    batch = sb.batch
+    ref = trainers.call("reference_log_probs", ray.put(batch), what="the reference model's log-probs")[0]
+    gids = {g: i for i, g in enumerate(dict.fromkeys(s.group_id for s in sb.samples))}
+    rewards = torch.tensor([float(s.reward) for s in sb.samples])
+    adv, metrics = penalised_advantages(rewards, torch.tensor([gids[s.group_id] for s in sb.samples]),
+                                        batch.behav_log_probs, ref, coef=float(a.kl_ctrl.kl_coef),
+                                        kl_type=a.kl_penalty, loss_mask=batch.loss_mask,
+                                        norm_by_std=a.norm_adv_by_std, eps=a.adv_eps)
+    batch.advantages, batch.ref_log_probs = adv, ref
+    metrics["advantage/abs_mean"] = float(adv.abs().mean())
+    return metrics
 
 
 def train_on(cfg: DictConfig, trainers, batch) -> dict:

@@ -93,9 +93,9 @@ class MegatronActor(LogProbPasses):
             makes the objective three-policy: one no-grad pass at the step's starting weights gives the
             proximal log-probs; the loss and the M2PO mask act on theta/proximal, and the correction's
             weight (a function of proximal/behaviour) multiplies each token's loss (docs/algo.md).
-        reference: the KL term to a frozen reference model (the initial weights; actor.reference), a dict of
-            kl_loss_coef, kl_loss_type (algo.kl.KL_TYPES) and param_offload (its weights on the host between
-            its passes); None: no reference model and no KL term.
+        reference: a frozen reference model (the initial weights; actor.reference), a dict of param_offload
+            (its weights on the host between its passes) and, for the KL loss term, kl_loss_coef and
+            kl_loss_type (algo.kl.KL_TYPES); None: no reference model and no KL term.
         entropy_coeff: the entropy bonus's weight (verl's entropy_coeff; 0: the entropy is a metric only).
         seed: Megatron's model-parallel RNG seed.
     """
@@ -179,8 +179,9 @@ class MegatronActor(LogProbPasses):
             unknown = set(ref) - {"kl_loss_coef", "kl_loss_type", "param_offload"}
             if unknown:
                 raise ValueError(f"reference has unknown keys {sorted(unknown)}")
-            self.kl = dict(kl_coef=float(ref.get("kl_loss_coef", 0.001)),
-                           kl_type=check_kl_type(ref.get("kl_loss_type", "low_var_kl")))
+            if "kl_loss_coef" in ref:  # else the reference serves the KL in the reward only (the loop's)
+                self.kl = dict(kl_coef=float(ref["kl_loss_coef"]),
+                               kl_type=check_kl_type(ref.get("kl_loss_type", "low_var_kl")))
         self.entropy_coeff = float(entropy_coeff)
         self.m2po_tau, self.m2po_rule, self.m2po_scope = float(m2po_tau), m2po_rule, m2po_scope
         self.micro_batch_tokens = int(micro_batch_tokens)
@@ -329,7 +330,7 @@ class MegatronActor(LogProbPasses):
         times = StepTimes(STEP_TIMES)
         corr_metrics: dict = {}
         engine = None  # three-policy steps: the engine's behaviour log-probs, for ratio_parts/*
-        if self.reference is not None and len(batch):
+        if self.reference is not None and len(batch) and batch.ref_log_probs is None:
             t = time.perf_counter()
             batch = dataclasses.replace(batch, ref_log_probs=self.reference_log_probs(batch))
             times.add("ref_pass", t)
@@ -393,7 +394,7 @@ class MegatronActor(LogProbPasses):
             behav, adv, weights, policy, mask = behav_and_advantages(mb_batch, mb, dev)  # mask: policy & weight > 0
             seq_ids = to_device(mb.response_seq_ids(), dev)
             kw = dict(self.loss_kwargs)
-            if mb_batch.ref_log_probs is not None:
+            if self.kl is not None:
                 kw.update(self.kl, ref_log_prob=to_device(
                     torch.cat([mb_batch.ref_log_probs[i].float() for i in mb.seq_index]), dev))
             if self.entropy_coeff:

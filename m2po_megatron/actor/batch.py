@@ -201,7 +201,7 @@ class TrainBatch:
                                  f"an integer tensor ({self.input_ids[i].numel()}, layers, top-k), one row per token")
 
 
-_FLAT = ("input_ids", "behav_log_probs", "advantages", "loss_mask")  # the fields pickled flat
+_FLAT = ("input_ids", "behav_log_probs", "advantages", "loss_mask", "ref_log_probs")  # the fields pickled flat
 
 
 @dataclass

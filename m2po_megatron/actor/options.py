@@ -51,6 +51,7 @@ def actor_kwargs(cfg: DictConfig) -> dict:
         adam_eps=o.adam_eps, clip_grad=o.clip_grad, attention_backend=cfg.model.attention_backend,
         loss_name=a.name, loss_kwargs=loss_kwargs, m2po_tau=a.m2po.tau, m2po_rule=a.m2po.rule,
         m2po_scope=a.m2po.scope, rollout_correction=dict(a.rollout_correction), seed=cfg.run.seed,
-        reference=(dict(kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, param_offload=a.ref_param_offload)
-                   if a.use_kl_loss else None),
+        reference=(dict(param_offload=a.ref_param_offload,
+                        **(dict(kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type) if a.use_kl_loss else {}))
+                   if a.use_kl_loss or a.use_kl_in_reward else None),
         entropy_coeff=a.entropy_coeff)

@@ -120,7 +120,7 @@ def _calibrate(args) -> int:
               f"{cal.fit['decode_spans']} decode spans)")
         for k in ("train_fixed_s", "train_per_update_s", "train_per_token_s", "logprob_per_token_s",
                   "decode_fixed_s", "decode_per_seq_s", "decode_per_kv_s", "prefill_per_token_s", "sync_fixed_s",
-                  "loop_fixed_s", "shared_cores", "contention"):
+                  "loop_fixed_s", "client_per_sample_s", "shared_cores", "contention"):
             print(f"  {k:22s} {c[k]:.4g}")
         print(f"  responses: mean {cal.response.mean:.1f} tokens, cv {cal.response.cv:.2f}, max "
               f"{cal.response.max}; prompts {cal.prompt_len:.1f} tokens")

@@ -146,6 +146,9 @@ def format_report(rep: dict) -> str:
     lines.append("traced: the allocator model's peak (GiB); estimate: models/memory.py's tensor terms at the traced "
                  "settings and stage; recipe est: the formula for the recipe as written (TE/FP8, overhead "
                  "included) against the GPU's memory")
+    from m2po_megatron.rehearse.plan import format_reference  # the reference model's share (algo.use_kl_loss)
+
+    lines += format_reference(rep)
     if "colocated" in rep:
         from m2po_megatron.models.colocated_memory import format_colocated
 

@@ -99,6 +99,12 @@ class RolloutCorrectionSection:
 
 
 @dataclass
+class KLCtrlSection:
+    type: str = "fixed"  # fixed only (verl's adaptive controller would need its state in the checkpoint)
+    kl_coef: float = 0.001
+
+
+@dataclass
 class AlgoSection:
     name: str = "m2po"  # m2po | grpo | grpo_notr | gspo | cispo
     # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (Dr.GRPO), for every loss
@@ -117,6 +123,11 @@ class AlgoSection:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     ref_param_offload: bool = True
+    # the same KL as a per-token penalty in the reward (verl's algorithm.use_kl_in_reward, kl_penalty, kl_ctrl):
+    # of the behaviour policy against the reference, summed per sequence before GRPO's group normalisation
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLCtrlSection = field(default_factory=KLCtrlSection)
     # entropy bonus (verl's entropy_coeff): loss -= entropy_coeff x the entropy aggregated as the policy loss is
     entropy_coeff: float = 0.0
     norm_adv_by_std: bool = True

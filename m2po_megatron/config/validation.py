@@ -212,6 +212,21 @@ def _check_algo_terms(a: DictConfig, errors: list[str]) -> None:
     if not math.isfinite(a.entropy_coeff):
         errors.append(f"algo.entropy_coeff = {a.entropy_coeff} must be finite (verl's default 0; > 0 rewards "
                       f"entropy)")
+    if a.use_kl_in_reward:
+        try:
+            check_kl_type(a.kl_penalty)
+        except ValueError as e:
+            errors.append(f"algo.kl_penalty: {e}")
+        if a.kl_ctrl.type != "fixed":
+            errors.append(f"algo.kl_ctrl.type = {a.kl_ctrl.type!r}: only 'fixed' is supported (verl's adaptive "
+                          f"controller keeps state across steps that a resumed run would lose); set "
+                          f"algo.kl_ctrl.type=fixed and choose algo.kl_ctrl.kl_coef")
+        if not (math.isfinite(a.kl_ctrl.kl_coef) and a.kl_ctrl.kl_coef >= 0):
+            errors.append(f"algo.kl_ctrl.kl_coef = {a.kl_ctrl.kl_coef} must be finite and >= 0 (verl's default "
+                          f"0.001)")
+        if a.overlong_filtering:
+            errors.append("algo.use_kl_in_reward with algo.overlong_filtering: a filtered sample keeps its reward "
+                          "in its group's baseline but has no reference log-probs for its penalty; turn one off")
 
 
 def _check_rollout_correction(cfg: DictConfig, errors: list[str]) -> None:

@@ -40,6 +40,7 @@ from m2po_megatron.infra.fake_cache import FastCacheFakeTensorMode
 
 _aten = torch.ops.aten
 _PRIM_DEVICE = torch.ops.prim.device.default
+_COPIES = (_aten._to_copy.default, _aten.clone.default)  # ops whose output is a copy of their first input
 ALIGN = 512  # the CUDA caching allocator rounds every block up to 512 bytes
 
 
@@ -102,6 +103,8 @@ class RehearsalMode(FastCacheFakeTensorMode):
         self._snap_at = 0
         self.peak_blocks: dict[int, _Block] = {}
         self._refs: dict[int, weakref.ref] = {}
+        self._host: dict[int, weakref.ref] = {}  # untracked storages (host memory on a real machine)
+        self._host_copies = ""  # the kind of a copy of one of them (untrack)
 
     # -------------------------------------------------------------- allocator model
     def _track(self, out) -> None:
@@ -115,7 +118,7 @@ class RehearsalMode(FastCacheFakeTensorMode):
     def _add(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
         key = id(st)
-        if key in self.live:
+        if key in self.live or key in self._host:
             return
         n = st.nbytes()
         if n == 0:
@@ -144,6 +147,50 @@ class RehearsalMode(FastCacheFakeTensorMode):
                 b = self.live.get(id(t.untyped_storage()))
                 if b is not None:
                     b.kind = kind
+
+    def untrack(self, tensors, copies_kind: str = "") -> int:
+        """Leave the storages behind `tensors` out of the model from now on: they are host memory on a real
+        machine (pinned CPU tensors), not GPU blocks. Their bytes leave the live total and the peak's
+        breakdown (the peak itself is what it was: reset_peak starts it again). A copy of one of them made
+        later (`.to(device, copy=True)`, clone) is a block of kind `copies_kind` ("" : the phase's). Returns the
+        bytes untracked."""
+        freed = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            key = id(st)
+            if key in self._host:
+                continue
+            b = self.live.get(key)
+            if b is not None:
+                freed += b.nbytes
+                self._free(key)
+                self.peak_blocks.pop(key, None)
+            self._host[key] = weakref.ref(st, lambda _r, k=key: self._host.pop(k, None))
+        if copies_kind:
+            self._host_copies = copies_kind
+        return freed
+
+    def reset_peak(self) -> None:
+        """Start the peak again from the live total (e.g. after untracking what the build made on the host)."""
+        self.peak = self._snap_at = self.total
+        self.peak_phase = self.phase
+        self.peak_blocks = dict(self.live)
+
+    @contextlib.contextmanager
+    def peak_within(self):
+        """Yields a dict that gets the peak bytes of the block ("peak_bytes") and the kinds at it ("at_peak");
+        the mode's own peak after the block is the larger of before and within, as without it."""
+        saved = (self.peak, self._snap_at, self.peak_phase, self.peak_blocks)
+        self.reset_peak()
+        out: dict = {}
+        try:
+            yield out
+        finally:
+            out.update(peak_bytes=self.peak, at_peak=self.breakdown())
+            if saved[0] >= self.peak:
+                self.peak, self._snap_at, self.peak_phase, self.peak_blocks = saved
 
     def breakdown(self) -> dict[str, int]:
         """Bytes per kind of the blocks alive at the peak."""
@@ -212,6 +259,9 @@ class RehearsalMode(FastCacheFakeTensorMode):
         out = self.dispatch(func, types, args, kwargs)  # FakeTensorMode.__torch_dispatch__ less its checks
         if not (func._schema.is_mutable or func.is_view):
             self._track(out)
+            if self._host_copies and func in _COPIES and id(args[0].untyped_storage()) in self._host:
+                self.tag([out], self._host_copies)  # a host tensor's copy to the device (its block may have
+                # been made by a decomposition's empty_strided, in the phase's kind)
         return out
 
 

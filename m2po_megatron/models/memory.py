@@ -16,7 +16,9 @@ is written out in docs/cluster.md, "Memory estimate"):
                fp32 temporary per parameter during the step, when the activations are already freed
   overhead   = CUDA context, NCCL buffers and allocator fragmentation (a fixed allowance)
 
-total = weights + grads + optimizer + max(activations + logits, optimizer_step) + overhead. P_rank is the
+total = weights + grads + optimizer + max(activations + logits, optimizer_step) + overhead. With a reference
+model (algo.use_kl_loss) its weights and its forward-only pass are a phase of their own, or its weights are
+resident in every phase (models/reference_memory.py); total is then the larger phase. P_rank is the
 parameter count of the heaviest pipeline stage on one tensor-parallel rank. Units: GiB. Pure arithmetic:
 no torch, no Megatron. The tensor terms (total - overhead) are meant to be within MARGIN of the allocator's
 peak (torch.cuda.max_memory_allocated) for the backend that ran; the gpu test checks it.
@@ -28,6 +30,7 @@ from typing import Optional
 
 from m2po_megatron.models.moe_memory import (check_expert_layout, dispatcher_state_bytes, expert_data_parallel,
                                              expert_layer_params, moe_saved_elements, replay_bytes, router_params)
+from m2po_megatron.models.reference_memory import add_reference, format_reference, forward_only_bytes
 
 GiB = 1024**3
 BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
@@ -226,11 +229,11 @@ def _layer_activation_bytes(s: ModelShape, tp: int, sp: bool, fp8: bool, backend
 def logprob_saved_bytes(s: ModelShape, response_tokens: float, act_bytes: int) -> dict[str, float]:
     """What actor.fused_logprobs keeps for backward, by dtype (parameters excluded): the response rows'
     hidden states (activation dtype), the row index of index_select and the local target (int64), the
-    log-normaliser (fp32) and whether this rank holds the target (bool)."""
+    log-normaliser and the entropy (fp32) and whether this rank holds the target (bool)."""
     r = float(response_tokens)
     act = "float32" if act_bytes == 4 else "bfloat16"
     out = {"int64": 16 * r, "bool": r}
-    out["float32"] = 4 * r + (r * s.hidden * 4 if act == "float32" else 0.0)
+    out["float32"] = 8 * r + (r * s.hidden * 4 if act == "float32" else 0.0)
     if act != "float32":
         out[act] = r * s.hidden * act_bytes
     return out
@@ -275,6 +278,8 @@ def estimate_gpu_memory(
     expert_tensor_parallel_size: Optional[int] = None,
     moe_aux_loss: bool = False,
     routing_replay: str = "none",
+    reference_model: bool = False,
+    ref_param_offload: bool = True,
 ) -> dict[str, float]:
     """Estimated peak memory of one trainer GPU in GiB: weights, grads, optimizer, activations, logits,
     optimizer_step, overhead and total. `micro_batch_tokens` (required: the recipe's train.micro_batch_tokens)
@@ -293,6 +298,8 @@ def estimate_gpu_memory(
     load-balancing loss is on (model.moe_aux_loss_coeff > 0); `routing_replay`: algo.routing_replay. The
     activations count the router, the dispatcher and the experts' routed copies (models/moe_memory.py); the
     result then has "expert_params_per_gpu_billion" too.
+    `reference_model` (algo.use_kl_loss), `ref_param_offload` (algo.ref_param_offload): the reference model's
+    terms and both phases (models/reference_memory.add_reference's keys).
     """
     tp, pp, dp, cp = (int(tensor_model_parallel_size), int(pipeline_model_parallel_size),
                       int(data_parallel_size), int(context_parallel_size))
@@ -372,6 +379,11 @@ def estimate_gpu_memory(
     }
     out["total"] = (out["weights"] + out["grads"] + out["optimizer"] + out["overhead"]
                     + max(out["activations"] + out["logits"], out["optimizer_step"]))
+    if reference_model:
+        fwd = forward_only_bytes(s, tokens, tp=tp, sequence_parallel=sequence_parallel, act_bytes=pbytes,
+                                 attention_backend=attention_backend, cuda_kernels=cuda_kernels,
+                                 first=pipeline_stage is None or pipeline_stage == 0, last=last, etp=etp)
+        add_reference(out, offload=ref_param_offload, activations_bytes=fwd)
     out["params_per_gpu_billion"] = p_rank / 1e9
     if s.experts:
         out["expert_params_per_gpu_billion"] = p_exp / 1e9
@@ -380,4 +392,5 @@ def estimate_gpu_memory(
 
 def format_estimate(est: dict[str, float]) -> str:
     keys = ("weights", "grads", "optimizer", "activations", "logits", "optimizer_step", "overhead")
-    return ", ".join(f"{k} {est[k]:.1f}" for k in keys) + f" -> total {est['total']:.1f} GiB"
+    return (", ".join(f"{k} {est[k]:.1f}" for k in keys) + format_reference(est)
+            + f" -> total {est['total']:.1f} GiB")

@@ -12,7 +12,11 @@ Using Megatron-LM" (2021), count the logit layer's FLOPs and not the lookup's: s
   attention's 12 x layers x heads x head_dim x context / 2 (PaLM, Chowdhery et al. 2022, appendix B: 6 N +
   12 L H Q T; the attention matmuls are heads x head_dim wide, which is not the hidden size on Qwen3-4B:
   32 x 128 = 4096 against 2560; halved for the causal mask), over the trainer's GPUs x peak x MFU, times the
-  pipeline bubble 1 + (PP - 1) / micro-batches (1F1B); a log-prob pass is a third of that. With FP8
+  pipeline bubble 1 + (PP - 1) / micro-batches (1F1B); a log-prob pass is a third of that. A reference model
+  (algo.use_kl_loss) adds its own forward-only pass over the step's tokens, priced as the log-prob pass, and,
+  when its weights sit on the host (algo.ref_param_offload), their copy to the GPU once per step: the heaviest
+  stage's share (2 N / (TP x PP) bytes; MoE: its experts over EP) over the host link (Gpu.pcie_gb_s, per
+  direction) at the link efficiency (a calibration's "host_link" where it has one). With FP8
   (model.fp8) the decoder layers' linear layers run at the FP8 peak: Transformer Engine's FP8 recipe casts the
   GEMMs of its Linear modules and keeps attention (DotProductAttention) in BF16, and megatron-core's GPTModel
   builds the output layer as tensor_parallel.ColumnParallelLinear, not a TE module, so it stays BF16 too.
@@ -61,8 +65,8 @@ from typing import Optional
 
 from m2po_megatron.plan.hardware import EFFICIENCY, GPUS, Gpu
 
-__all__ = ["Costs", "GRAD_BYTES", "Layout", "attention_flops", "efficiency_of", "expert_params", "from_hardware",
-           "inactive_expert_params", "kv_bytes_per_gpu", "matmul_params"]
+__all__ = ["Costs", "GRAD_BYTES", "Layout", "REFERENCE_PLACES", "attention_flops", "efficiency_of", "expert_params",
+           "from_hardware", "inactive_expert_params", "kv_bytes_per_gpu", "matmul_params", "reference_costs"]
 
 GRAD_BYTES = 4  # actor/optim.py wraps megatron-core's DDP with grad_reduce_in_fp32=True: fp32 gradient buffers
 PARAM_BYTES = 2  # bf16 weights: what the servers hold, the sync sends and the distributed optimizer gathers
@@ -99,6 +103,14 @@ class Costs:
     # layer (each token picks k of E; taken as independent and uniform), so the read grows with B up to all.
     decode_expert_s: float = 0.0
     expert_frac: float = 0.0
+    # A reference model (algo.use_kl_loss): its forward-only pass per token of the step, and the copy of its
+    # weights from the host to the GPU once per step when offloaded (0, 0: no reference model)
+    reference_per_token_s: float = 0.0
+    reference_copy_s: float = 0.0
+    # The rollout client's host time per generated sample outside the engine's spans (sending requests,
+    # scoring, grouping): 0 unless a run's calibration measured it (plan/calibrate.py, client_fit); the
+    # simulation adds it to the wait for generation (plan/sim.py).
+    client_per_sample_s: float = 0.0
 
     def weights_s(self, batch: float) -> float:
         """The weights one decode step of `batch` sequences reads, in seconds: decode_weights_s, plus the
@@ -116,7 +128,8 @@ class Costs:
 
     def train_s(self, tokens: float, updates: int, logprob_pass: bool) -> float:
         per_token = self.train_per_token_s + (self.logprob_per_token_s if logprob_pass else 0.0)
-        return self.train_fixed_s + updates * self.train_per_update_s + tokens * per_token
+        per_token += self.reference_per_token_s
+        return self.train_fixed_s + updates * self.train_per_update_s + tokens * per_token + self.reference_copy_s
 
     def decode_step_s(self, batch: float, kv: float) -> float:
         """One decode step of `batch` sequences holding `kv` KV tokens."""
@@ -346,12 +359,15 @@ def _tp_comm(shape, rtp: int, allreduce_s: float) -> float:
 def from_hardware(shape, params: int, layout: Layout, gpu: Gpu | str, *, micro_batches: int,
                   mean_context: float, mem_fraction_static: float = 0.85, efficiency: Optional[dict] = None,
                   same_node_sync: bool = False, fp8: bool = False, gpus_per_node: int = 8,
-                  use_distributed_optimizer: bool = True, grad_bytes: int = GRAD_BYTES) -> Costs:
+                  use_distributed_optimizer: bool = True, grad_bytes: int = GRAD_BYTES,
+                  reference: Optional[str] = None) -> Costs:
     """Costs from the model's shape (models.memory.ModelShape), its parameter count and the GPU's datasheet
     figures, with the efficiencies of plan.hardware.EFFICIENCY (or `efficiency`'s overrides); decode is the
     roofline. same_node_sync: the servers share the trainer's node (the sync runs over NVLink). fp8: the
     recipe trains in FP8 (model.fp8). gpus_per_node: the trainer's gradient reduce stays on NVLink when all its
-    GPUs fit one node. grad_bytes: the dtype the gradients are reduced in (fp32 here, GRAD_BYTES)."""
+    GPUs fit one node. grad_bytes: the dtype the gradients are reduced in (fp32 here, GRAD_BYTES). reference:
+    None, or "offloaded" / "resident" for a reference model with its weights on the host between its passes
+    or on the GPU (reference_costs)."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
     eff = {**EFFICIENCY, **(efficiency or {})}
     w = _work(shape, params, layout, g, micro_batches=micro_batches, mean_context=mean_context,
@@ -364,6 +380,7 @@ def from_hardware(shape, params: int, layout: Layout, gpu: Gpu | str, *, micro_b
         tp_comm += w.a2a_bytes_tok / (w.a2a_link * eff["link"])
     hbm = w.hbm * eff["hbm"]
     rtp = layout.rollout_tp
+    ref_token_s, ref_copy_s = reference_costs(shape, params, layout, g, reference, train_tok / 3 + tp_comm / 2, eff)
     return Costs(
         train_fixed_s=eff["train_fixed_s"],
         train_per_update_s=w.opt_bytes / hbm + w.dp_bytes / (w.dp_link * eff["link"]),
@@ -381,8 +398,29 @@ def from_hardware(shape, params: int, layout: Layout, gpu: Gpu | str, *, micro_b
         decode_roofline=True,
         decode_expert_s=w.expert_bytes / hbm,
         expert_frac=shape.topk / shape.experts if getattr(shape, "experts", 0) else 0.0,
+        reference_per_token_s=ref_token_s, reference_copy_s=ref_copy_s,
+        client_per_sample_s=eff.get("client_per_sample_s", 0.0),  # a host figure: only a calibration sets it
         source=f"{g.name} datasheet{', FP8' if fp8 else ''}, efficiencies {eff}",
     )
+
+
+REFERENCE_PLACES = (None, "offloaded", "resident")
+
+
+def reference_costs(shape, params: int, layout: Layout, g: Gpu, reference: Optional[str], logprob_per_token_s: float,
+                    eff: dict) -> tuple[float, float]:
+    """(the reference pass's seconds per token, its weights' host-to-GPU copy per step) for `reference` (None:
+    no reference model, (0, 0)). The pass is a log-prob pass (`logprob_per_token_s`); the copy moves the
+    heaviest stage's reference weights in bf16 on one rank, every rank at once over its own host link."""
+    if reference not in REFERENCE_PLACES:
+        raise ValueError(f"reference = {reference!r} must be one of {REFERENCE_PLACES}")
+    if reference is None:
+        return 0.0, 0.0
+    if reference == "resident":
+        return logprob_per_token_s, 0.0
+    experts = expert_params(shape)
+    rank_bytes = ((params - experts) / layout.tp + experts / layout.ep) / layout.pp * PARAM_BYTES
+    return logprob_per_token_s, rank_bytes / (g.pcie_gb_s * 1e9 * eff.get("host_link", eff["link"]))
 
 
 def efficiency_of(costs: Costs, shape, params: int, layout: Layout, gpu: Gpu | str, *, micro_batches: int,
@@ -397,6 +435,8 @@ def efficiency_of(costs: Costs, shape, params: int, layout: Layout, gpu: Gpu | s
               mem_fraction_static=0.0, same_node_sync=same_node_sync, fp8=fp8, gpus_per_node=gpus_per_node,
               use_distributed_optimizer=use_distributed_optimizer, grad_bytes=grad_bytes)
     out = {"train_fixed_s": costs.train_fixed_s}
+    if costs.client_per_sample_s > 0:
+        out["client_per_sample_s"] = costs.client_per_sample_s
     if costs.sync_s() > EFFICIENCY["sync_fixed_s"]:
         out["link"] = w.weight_bytes / (w.sync_link * (costs.sync_s() - EFFICIENCY["sync_fixed_s"]))
     tp_comm = w.tp_bytes_tok / (g.nvlink_gb_s * 1e9 * out.get("link", EFFICIENCY["link"]))

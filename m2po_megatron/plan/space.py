@@ -185,6 +185,7 @@ def trainer_memory(cfg: DictConfig, hf: dict, lay: Layout) -> Optional[dict]:
     """models/memory.py's estimate per trainer GPU of `lay` (GiB by part, "total"); None when it cannot be
     built (a layout the model's shape does not divide)."""
     from m2po_megatron.models.memory import estimate_gpu_memory
+    from m2po_megatron.models.reference_memory import recipe_reference
 
     from m2po_megatron.config.validation import moe_dims
 
@@ -202,7 +203,7 @@ def trainer_memory(cfg: DictConfig, hf: dict, lay: Layout) -> Optional[dict]:
                                    params_dtype="bf16" if cfg.model.params_dtype == "auto" else cfg.model.params_dtype,
                                    fp8=bool(cfg.model.fp8), sequence_parallel=sp,
                                    recompute=p.recompute_granularity, context_parallel_size=p.context_parallel_size,
-                                   **moe)
+                                   **moe, **recipe_reference(cfg))
     except ValueError:
         return None
 
@@ -211,13 +212,16 @@ def layout_costs(cfg: DictConfig, shape, params: int, lay: Layout, gpu: str, spe
                  efficiency: Optional[dict], *, same_node_sync: bool) -> Costs:
     """The hardware costs of `lay` for the recipe, its micro-batches per update counted from `spec`'s mean
     sequence (prompt plus the assumed mean response)."""
+    from m2po_megatron.models.reference_memory import reference_place
+
     ctx = spec.prompt_len + spec.response.mean
     tokens_update = spec.groups_per_step * spec.n * ctx / spec.updates_per_step
     mbs = max(1, math.ceil(tokens_update / lay.dp / cfg.train.micro_batch_tokens))
     return from_hardware(shape, params, lay, gpu, micro_batches=mbs, mean_context=ctx,
                          mem_fraction_static=cfg.rollout.mem_fraction_static, efficiency=efficiency,
                          same_node_sync=same_node_sync, fp8=bool(cfg.model.fp8), gpus_per_node=gpus_per_node,
-                         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+                         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+                         reference=reference_place(cfg))
 
 
 def allocations(gpus: int, gpus_per_node: int) -> list[int]:

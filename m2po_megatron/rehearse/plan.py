@@ -115,6 +115,7 @@ def estimates(cfg, hf, stage: int, traced: dict) -> tuple[dict, dict]:
     written at this stage), GiB."""
     from m2po_megatron.config.validation import _gpu_attention_backend
     from m2po_megatron.models.memory import estimate_gpu_memory
+    from m2po_megatron.models.reference_memory import recipe_reference
 
     p = cfg.parallel
     common = dict(tensor_model_parallel_size=p.tensor_model_parallel_size,
@@ -125,7 +126,8 @@ def estimates(cfg, hf, stage: int, traced: dict) -> tuple[dict, dict]:
                   microbatches_in_flight=traced.get("microbatches"),
                   expert_model_parallel_size=p.expert_model_parallel_size,
                   expert_tensor_parallel_size=p.expert_tensor_parallel_size,
-                  moe_aux_loss=cfg.model.moe_aux_loss_coeff > 0, routing_replay=cfg.algo.routing_replay)
+                  moe_aux_loss=cfg.model.moe_aux_loss_coeff > 0, routing_replay=cfg.algo.routing_replay,
+                  **recipe_reference(cfg))
     dtype = traced["params_dtype"]
     est_traced = estimate_gpu_memory(hf, params_dtype=dtype, fp8=False, sequence_parallel=traced["sequence_parallel"],
                                      attention_backend="sdpa", cuda_kernels=False, foreach_adam=False,
@@ -162,9 +164,44 @@ def report(cfg, hf, results: list[dict], traced_kw: dict, gpu_gb: float) -> dict
             peak_phase=res["peak_phase"], estimate_traced_gib=tensor_terms,
             error_pct=100.0 * (tensor_terms - traced_gib) / traced_gib,
             estimate_recipe_gib=recipe_gib, gpu_gib=gpu_gb, headroom_gib=gpu_gb - recipe_gib, held_back_gib=held,
+            reference=_reference_row(res, est_t, held),
             collectives=res["collectives"], build_s=res["build_s"], step_s=res["step_s"],
             dispatch_cache=res["dispatch_cache"]))
     return {"stages": rows}
+
+
+def _reference_row(res: dict, est_t: dict, held: float) -> Optional[dict]:
+    """The reference model's share of a stage (None without one), GiB: its weights and where they live, the
+    traced "reference" blocks at the step's peak, the traced peak of its pass against the estimate's
+    reference-pass phase at the traced settings (tensor terms, plus a colocated engine's held share), and the
+    estimate's training phase."""
+    ref = res.get("reference")
+    if not ref:
+        return None
+    traced = ref["pass_peak_bytes"] / GiB
+    est_pass = est_t["reference_pass"] - est_t["overhead"] + held
+    return dict(offload=ref["offload"], weights_gib=ref["bytes"] / GiB,
+                at_peak_gib=res["at_peak"].get("reference", 0) / GiB, build_peak_gib=res["build_peak_bytes"] / GiB,
+                pass_traced_gib=traced, pass_at_peak_gib={k: v / GiB for k, v in ref["pass_at_peak"].items()},
+                estimate_pass_gib=est_pass, pass_error_pct=100.0 * (est_pass - traced) / traced if traced else 0.0,
+                estimate_training_gib=est_t["training"] - est_t["overhead"] + held)
+
+
+def format_reference(rep: dict) -> list[str]:
+    """The report's lines on the reference model's share of each stage (none without one)."""
+    out = []
+    for s in rep["stages"]:
+        r = s.get("reference")
+        if not r or "error" in s:
+            continue
+        where = ("offloaded: on the host between passes, on the GPU only in its pass" if r["offload"] else
+                 "resident on the GPU")
+        kinds = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["pass_at_peak_gib"].items()))
+        out.append(f"reference model, {s['role']} stage: {r['weights_gib']:.2f} GiB of weights ({where}), "
+                   f"{r['at_peak_gib']:.2f} GiB of it at the step's traced peak; its pass traced "
+                   f"{r['pass_traced_gib']:.2f} GiB ({kinds}) against the estimate's {r['estimate_pass_gib']:.2f} "
+                   f"({r['pass_error_pct']:+.1f} %); the training phase's estimate {r['estimate_training_gib']:.2f}")
+    return out
 
 
 def verdict(rep: dict, tolerance_pct: float) -> tuple[bool, list[str]]:
@@ -177,6 +214,13 @@ def verdict(rep: dict, tolerance_pct: float) -> tuple[bool, list[str]]:
         elif abs(s["error_pct"]) > tolerance_pct:
             problems.append(f"{name}: models/memory.py's estimate {s['estimate_traced_gib']:.2f} GiB is "
                             f"{s['error_pct']:+.1f} % off the traced {s['traced_gib']:.2f} GiB (tolerance "
+                            f"{tolerance_pct:g} %)")
+        r = s.get("reference")
+        if r and "error" not in s and not r["pass_traced_gib"]:  # the actor's reference_log_probs was not called
+            problems.append(f"{name}: the reference model's pass was not traced")
+        elif r and "error" not in s and abs(r["pass_error_pct"]) > tolerance_pct:
+            problems.append(f"{name}: the reference pass's estimate {r['estimate_pass_gib']:.2f} GiB is "
+                            f"{r['pass_error_pct']:+.1f} % off its traced {r['pass_traced_gib']:.2f} GiB (tolerance "
                             f"{tolerance_pct:g} %)")
     if not rep["stages"]:
         problems.append("no stage was rehearsed")

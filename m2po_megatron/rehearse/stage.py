@@ -58,6 +58,41 @@ def _optimizer_tensors(optimizer) -> tuple[list, list]:
     return params, state
 
 
+def _place_reference(mode, ref) -> int:
+    """The reference model's blocks (algo.use_kl_loss; actor/reference.py) as a GPU would hold them: offloaded,
+    its host tensors leave the allocator model and their copies to the device in each pass are "reference"
+    blocks; resident, its weights are "reference" blocks. Returns the build's peak bytes: with host tensors the
+    peak starts again after the build, whose own peak counted them as device blocks."""
+    build_peak = mode.peak
+    if ref is None:
+        return build_peak
+    host = ref.host_tensors()
+    if host:
+        mode.untrack(host, copies_kind="reference")
+        mode.reset_peak()
+    else:
+        mode.tag([t for c in ref.chunks for t in (*c.parameters(), *c.buffers())], "reference")
+    return build_peak
+
+
+def _peak_of(mode, fn, into: dict):
+    """`fn` wrapped so that the allocator model's peak while it runs (and the kinds at it) lands in `into`."""
+    def run(*a, **k):
+        with mode.peak_within() as peak:
+            out = fn(*a, **k)
+        into.update(peak)
+        return out
+    return run
+
+
+def _reference_info(actor, ref_pass: dict) -> Optional[dict]:
+    ref = getattr(actor, "reference", None)
+    if ref is None:
+        return None
+    return dict(offload=bool(ref.offload), bytes=int(ref.num_bytes()), host_tensors=len(ref.host_tensors()),
+                pass_peak_bytes=ref_pass.get("peak_bytes", 0), pass_at_peak=ref_pass.get("at_peak", {}))
+
+
 def rehearse_rank(kwargs: dict, *, rank: int, world_size: int, minibatch_seqs: int, max_new_tokens: int,
                   seed: int = 0, fast_cache: bool = True, crosscheck: int = 0, held_back_bytes: int = 0) -> dict:
     """Build MegatronActor(**kwargs) as global `rank` of a fake world and run one train_step of one optimizer
@@ -101,6 +136,7 @@ def rehearse_rank(kwargs: dict, *, rank: int, world_size: int, minibatch_seqs: i
     ensure_state(actor.optimizer)  # outside the mode: Adam's `step` stays a real tensor (it is read on the host)
     opt_params, opt_state = _optimizer_tensors(actor.optimizer)
     mode.tag(opt_params + opt_state, "optimizer")
+    build_peak = _place_reference(mode, getattr(actor, "reference", None))
     log.name_groups()
     log.calls.clear()  # the step's collectives only (set-up's are Megatron's group building)
     built = mode.live_bytes()
@@ -118,6 +154,9 @@ def rehearse_rank(kwargs: dict, *, rank: int, world_size: int, minibatch_seqs: i
             mode.phase = "temporaries"
 
     actor.optimizer.step = traced_step
+    ref_pass: dict = {}
+    if getattr(actor, "reference", None) is not None:
+        actor.reference_log_probs = _peak_of(mode, actor.reference_log_probs, ref_pass)
     held = None
     if held_back_bytes > 0:
         import torch
@@ -139,7 +178,8 @@ def rehearse_rank(kwargs: dict, *, rank: int, world_size: int, minibatch_seqs: i
         role, rank=rank, params=sum(p.numel() for p in params), peak_bytes=mode.peak, peak_phase=mode.peak_phase,
         at_peak=mode.breakdown(), built_bytes=built, microbatches=len(mbs), row_tokens=max(m.seq_len for m in mbs),
         sequences=len(shard), tokens=sum(batch.lengths[i] for i in shard), collectives=log.summary(),
-        held_back_bytes=held.untyped_storage().nbytes() if held is not None else 0,
+        held_back_bytes=held.untyped_storage().nbytes() if held is not None else 0, build_peak_bytes=build_peak,
+        reference=_reference_info(actor, ref_pass),
         build_s=round(t_build, 2), step_s=round(t_step, 2),
         dispatch_cache=dict(fast=mode.fast_enabled, hits=mode.fast_hits, misses=mode.fast_misses,
                             crosscheck=mode.crosscheck, checked=mode.fast_checked))

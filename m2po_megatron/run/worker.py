@@ -55,6 +55,14 @@ class TrainerWorker(RankActorBase):
         trace.flush()
         return out[0] if isinstance(out, tuple) else out
 
+    def reference_log_probs(self, batch):
+        """The reference model's log-probs of the batch's response tokens (the KL in the reward)."""
+        with trace.span("ref_pass", "train", seqs=len(batch), tokens=sum(batch.lengths)):
+            with self.offload.region():
+                out = self.actor.reference_log_probs(batch)
+        trace.flush()
+        return out
+
     def train_step(self, batch, num_minibatches: int) -> dict:
         with trace.span("train_step", "train", seqs=len(batch), tokens=sum(batch.lengths), updates=num_minibatches):
             with self.offload.region():  # Adam's state, made at the first step, belongs to the region too

@@ -253,3 +253,38 @@ def test_ratio_parts_ignore_masked_tokens():
         _same(rows[0], rows[1], seed)
         _same(rows[0], rows[2], seed, exact=False)
         assert rows[0]["ratio_parts/count_tokens"] == float(x["policy"].sum())
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("name", LOSSES)
+def test_kl_and_entropy_terms_ignore_masked_tokens(name, agg):
+    """The reference KL and the entropy bonus on the policy tokens only: an environment token's reference
+    log-prob and entropy change nothing, and the compacted batch gives the same loss and gradients."""
+    def run(x, ref, ent):
+        lp = x["lp"].clone().requires_grad_(True)
+        e = ent.clone().requires_grad_(True)
+        kw = dict(loss_scale_factor=64) if agg == "seq-mean-token-sum-norm" else {}
+        loss, m = policy_loss(name, lp, x["prox"], x["adv"], x["policy"], seq_ids=x["seq"], num_seq_ids=x["S"],
+                              loss_agg_mode=agg, ref_log_prob=ref, kl_coef=0.3, kl_type="low_var_kl", entropy=e,
+                              entropy_coeff=0.05, **kw)
+        loss.backward()
+        return loss.item(), lp.grad, e.grad, m
+
+    for seed in SEEDS:
+        x = _inputs(seed)
+        g = torch.Generator().manual_seed(7 + seed)
+        ref = x["lp"] + 0.5 * torch.randn(x["lp"].shape, generator=g)
+        ent = 3 * torch.rand(x["lp"].shape, generator=g)
+        env = ~x["policy"]
+        loss, grad, egrad, m = run(x, ref, ent)
+        p = run(_perturbed(x, seed), torch.where(env, -50.0, ref), torch.where(env, 1e3, ent))
+        assert p[0] == loss and torch.equal(p[1], grad) and torch.equal(p[2], egrad), (name, agg, seed)
+        _same(m, p[3], (name, agg, seed))
+        assert not grad[env].any() and not egrad[env].any() and egrad[x["policy"]].lt(0).all()
+        keep = x["policy"]
+        c = run(_compact(x), ref[keep], ent[keep])
+        assert c[0] == pytest.approx(loss, rel=1e-6, abs=1e-7)
+        torch.testing.assert_close(c[1], grad[keep], rtol=1e-6, atol=1e-7)
+        assert m["kl_ref/k3"] > 0 and m["kl_loss"] > 0
+        # control: the same perturbation on counted tokens shows
+        assert run(x, ref + 0.1, ent)[0] != loss and run(x, ref, ent + 0.1)[0] != loss

@@ -57,11 +57,18 @@ def test_bounded_dp2_with_eval_and_checkpoint(tiny_task, tmp_path, small_eval):
     p = m2po("train", "tiny-cpu", *overrides(
         tiny_task, tmp_path, "bounded", "parallel.tensor_model_parallel_size=1", "parallel.data_parallel_size=2",
         "parallel.use_distributed_optimizer=true", "staleness.mode=bounded", "staleness.max_staleness=2",
-        "staleness.sync_interval=2", "train.steps=3",
+        "staleness.sync_interval=2", "train.steps=3", "algo.use_kl_in_reward=true", "algo.kl_ctrl.kl_coef=0.01",
+        "algo.use_kl_loss=true", "algo.entropy_coeff=0.001",
         f"data.eval_paths=[{small_eval}]", "eval.interval=0", "eval.steps=[2]", "eval.n_samples=2"))
     ok(p)
     run = tmp_path / "bounded"
     rows = steps(run)
+    # the KL to the reference, in the reward (the loop asked the ranks once; the step reused the values) and
+    # as a loss term over DP 2 with the distributed optimizer; both 0 where the policy is still the reference
+    assert all(r["kl_in_reward/coef"] == 0.01 for r in rows)  # k1 (verl's default kl_penalty) is signed:
+    assert abs(rows[0]["kl_in_reward/kl"]) < 1e-5 < abs(rows[-1]["kl_in_reward/kl"])  # behaviour = reference first
+    assert rows[0]["updates"][0]["kl_loss"] == 0 and rows[-1]["kl_ref/k3"] > 0
+    assert all(r["time/actor/ref_pass"] == 0 for r in rows)  # the reward's pass served the loss too
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["version"] for r in rows] == [2, 4, 6]
     assert all(r["staleness/max"] <= 2 for r in rows), [r["staleness/max"] for r in rows]
