@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_plan import compare, errors, pooled  # noqa: E402
-from bench_staleness import REPO, run as run_tiny  # noqa: E402
+from bench_staleness import REPO, run as run_tiny, tiny_task  # noqa: E402
 
 PHASES = ("release", "reload", "offload", "resume_weights", "resume_kv")
 BASE = ["staleness.mode=fixed_lag", "staleness.lag_steps=1"]
@@ -81,13 +81,7 @@ def main() -> None:
     args = ap.parse_args()
     from m2po_megatron.plan.calibrate import calibrate
 
-    if args.skip >= args.steps:
-        raise SystemExit(f"--skip {args.skip} leaves none of the --steps {args.steps} steps to measure")
-    task = Path(args.task_dir)
-    if not (task / "build_info.json").exists():
-        from m2po_megatron.demo.tiny_model import build_tiny_task
-
-        build_tiny_task(task, seed=0)
+    task = tiny_task(args.task_dir, args.steps, args.skip)
     tmp = Path(args.runs or tempfile.mkdtemp(prefix="m2po-bench-colocate-"))
     rounds: list[dict] = []
     for i in range(args.rounds):

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_staleness import REPO, run as run_tiny  # noqa: E402
+from bench_staleness import REPO, run as run_tiny, tiny_task  # noqa: E402
 
 BASE = ["staleness.mode=on_policy"]
 KL = [*BASE, "algo.use_kl_loss=true", "algo.entropy_coeff=0.001"]
@@ -55,13 +55,7 @@ def main() -> None:
     ap.add_argument("--runs", default=None, help="keep the runs here (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
-    if args.skip >= args.steps:
-        raise SystemExit(f"--skip {args.skip} leaves none of the --steps {args.steps} steps to measure")
-    task = Path(args.task_dir)
-    if not (task / "build_info.json").exists():
-        from m2po_megatron.demo.tiny_model import build_tiny_task
-
-        build_tiny_task(task, seed=0)
+    task = tiny_task(args.task_dir, args.steps, args.skip)
     tmp = Path(args.runs or tempfile.mkdtemp(prefix="m2po-bench-reference-"))
     names = list(CONFIGS)
     rounds: list[dict] = []

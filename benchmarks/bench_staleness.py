@@ -28,6 +28,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def tiny_task(task_dir: str, steps: int, skip: int) -> Path:
+    """The tiny task at `task_dir` (built there when absent), once --skip is checked against --steps."""
+    if skip >= steps:
+        raise SystemExit(f"--skip {skip} leaves none of the --steps {steps} steps to measure")
+    task = Path(task_dir)
+    if not (task / "build_info.json").exists():
+        from m2po_megatron.demo.tiny_model import build_tiny_task
+
+        build_tiny_task(task, seed=0)
+    return task
+
+
 def run(task: Path, out: Path, name: str, steps: int, updates_per_step: int, extra: list[str]) -> list[dict]:
     args = [f"model.hf_path={task}", f"data.train_path={task / 'train.jsonl'}", "data.eval_paths=[]",
             f"run.output_dir={out}", f"run.name={name}", f"train.steps={steps}", "checkpoint.interval=0",
@@ -93,13 +105,7 @@ def main() -> None:
     ap.add_argument("--task-dir", default=str(REPO / ".cache" / "tiny-task"))
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
-    if args.skip >= args.steps:
-        raise SystemExit(f"--skip {args.skip} leaves none of the --steps {args.steps} steps to measure")
-    task = Path(args.task_dir)
-    if not (task / "build_info.json").exists():
-        from m2po_megatron.demo.tiny_model import build_tiny_task
-
-        build_tiny_task(task, seed=0)
+    task = tiny_task(args.task_dir, args.steps, args.skip)
     tmp = Path(tempfile.mkdtemp(prefix="m2po-bench-stale-"))
     res = {str(u): measure(task, tmp, args.steps, args.skip, u) for u in args.updates_per_step}
     print("\n".join(row for u in args.updates_per_step for row in table_rows(u, res[str(u)])))

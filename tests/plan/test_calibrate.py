@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from m2po_megatron.config import load_config
 from m2po_megatron.plan.calibrate import Calibration, calibrate, measured
+from synthetic_trace import LOOP, SERVER, TRAINER, span, write_trace
 
 A, B_COEF, C_COEF, ALPHA = 0.004, 2e-5, 1.5e-6, 0.35  # decode: fixed, per sequence, per KV token; contention
 FB_PER_TOKEN, LP_PER_TOKEN, OPT_S, FIXED_S, SYNC_S, LOOP_S = 4e-5, 1.5e-5, 0.004, 0.03, 0.1, 0.01
@@ -87,17 +88,9 @@ def build_run(tmp_path, steps=10):
         e = tl.stretch(s, A + B_COEF * b + C_COEF * kv, train_windows)
         server.append(("decode", s, e, {"b": b, "kv": kv}))
         s = e + 0.001
-    events = [{"ph": "M", "name": "process_name", "pid": i, "args": {"name": n}}
-              for i, n in ((1, "loop"), (2, "trainer rank 0"), (3, "rollout server :1234"))]
-    us = lambda x: round(x * 1e6 + 1.7e15, 1)  # noqa: E731
-    dur = lambda a, b: round((b - a) * 1e6, 1)  # noqa: E731
-    events += [{"ph": "X", "pid": 1, "tid": "loop", "cat": "loop", "name": n, "ts": us(a), "dur": dur(a, b),
-                "args": args} for n, a, b, args in loop]
-    events += [{"ph": "X", "pid": 2, "tid": tid, "cat": "train", "name": n, "ts": us(a), "dur": dur(a, b),
-                **({"args": args} if args else {})} for n, a, b, args, tid in rank]
-    events += [{"ph": "X", "pid": 3, "tid": "engine", "cat": "engine", "name": n, "ts": us(a), "dur": dur(a, b),
-                "args": args} for n, a, b, args in server]
-    (run / "trace.json").write_text(json.dumps({"traceEvents": events, "otherData": {"dropped": {}}}))
+    write_trace(run, [span(LOOP, "loop", "loop", n, a, b, args) for n, a, b, args in loop]
+                + [span(TRAINER, tid, "train", n, a, b, args or None) for n, a, b, args, tid in rank]
+                + [span(SERVER, "engine", "engine", n, a, b, args) for n, a, b, args in server])
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run
 

@@ -13,6 +13,7 @@ from m2po_megatron.plan.calibrate import calibrate
 from m2po_megatron.plan.costs import Costs
 from m2po_megatron.plan.runs import generation_key, retime, run_one, summarize
 from m2po_megatron.plan.sim import LengthDist, SimSpec, simulate
+from synthetic_trace import LOOP, SERVER, TRAINER, span, write_trace
 
 CLIENT_S = 4e-4  # the client's host seconds per sample, outside every modelled span
 SAMPLES = 256
@@ -65,19 +66,10 @@ def build_run(tmp_path, steps=10, seed=0):
                      "batch/sequences": SAMPLES, "samples/generated": generated, "response_length/mean": 19.0,
                      "response_length/std": 2.0, "reward/mean": 0.6, "staleness/mean": 2.0, "staleness/max": 2})
         t = end + 0.03
-    events = [{"ph": "M", "name": "process_name", "pid": i, "args": {"name": n}}
-              for i, n in ((1, "loop"), (2, "trainer rank 0"), (3, "rollout server :1234"))]
-    us = lambda x: round(x * 1e6 + 1.7e15, 1)  # noqa: E731
-    dur = lambda a, b: round((b - a) * 1e6, 1)  # noqa: E731
-    events += [{"ph": "X", "pid": 1, "tid": "loop", "cat": "loop", "name": n, "ts": us(a), "dur": dur(a, b),
-                "args": args} for n, a, b, args in loop]
-    events += [{"ph": "X", "pid": 1, "tid": "loop", "cat": "colocate", "name": n, "ts": us(a), "dur": dur(a, b)}
-               for n, a, b in coloc]
-    events += [{"ph": "X", "pid": 2, "tid": tid, "cat": "train", "name": n, "ts": us(a), "dur": dur(a, b)}
-               for n, a, b, tid in rank]
-    events += [{"ph": "X", "pid": 3, "tid": "engine", "cat": "engine", "name": n, "ts": us(a), "dur": dur(a, b),
-                "args": args} for n, a, b, args in engine]
-    (run / "trace.json").write_text(json.dumps({"traceEvents": events, "otherData": {"dropped": {}}}))
+    write_trace(run, [span(LOOP, "loop", "loop", n, a, b, args) for n, a, b, args in loop]
+                + [span(LOOP, "loop", "colocate", n, a, b) for n, a, b in coloc]
+                + [span(TRAINER, tid, "train", n, a, b) for n, a, b, tid in rank]
+                + [span(SERVER, "engine", "engine", n, a, b, args) for n, a, b, args in engine])
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run
 

@@ -1,7 +1,6 @@
 """Colocated layouts as runnable proposals (plan/colocated.py, `m2po plan --colocated-out`), and calibration on a
 colocated run's swap phases (plan/calibrate.py) from a synthetic RUN_DIR written as run/metrics.py and
 infra/trace.py write them. In-process."""
-import json
 
 import pytest
 from omegaconf import OmegaConf
@@ -10,6 +9,7 @@ from m2po_megatron.cli import main
 from m2po_megatron.config import load_config
 from m2po_megatron.models.colocated_memory import ENGINE_RELEASED_GB
 from m2po_megatron.plan.calibrate import COLOCATE_PHASES, calibrate
+from synthetic_trace import LOOP, SERVER, TRAINER, span, write_trace
 
 Q8 = "recipes/paper/qwen3-8b-base.yaml"
 
@@ -98,22 +98,11 @@ def build_colocated_run(tmp_path, spans=True):
                      "batch/tokens": TOKENS, "batch/sequences": 64, "response_length/mean": 20.0,
                      "response_length/std": 4.0, "reward/mean": 0.5, "staleness/mean": 0.0, "staleness/max": 0},
                     step=k + 1)
-    events = [{"ph": "M", "name": "process_name", "pid": i, "args": {"name": n}}
-              for i, n in ((1, "loop"), (2, "trainer rank 0"), (3, "rollout server :1234"))]
-    us = lambda x: round(x * 1e6 + 1.7e15, 1)  # noqa: E731
-    dur = lambda a, b: round((b - a) * 1e6, 1)  # noqa: E731
-    events += [{"ph": "X", "pid": 1, "tid": "loop", "cat": "loop", "name": n, "ts": us(a), "dur": dur(a, b),
-                "args": args} for n, a, b, args in loop]
-    events += [{"ph": "X", "pid": 2, "tid": "main", "cat": "train", "name": "train_step", "ts": us(a), "dur": dur(a, b)}
-               for n, a, b, _ in loop if n == "train_step"]
-    events += [{"ph": "X", "pid": 2, "tid": "phases", "cat": "train", "name": n, "ts": us(a), "dur": dur(a, b)}
-               for n, a, b in rank]
-    events += [{"ph": "X", "pid": 3, "tid": "engine", "cat": "engine", "name": n, "ts": us(a), "dur": dur(a, b),
-                "args": args} for n, a, b, args in server]
-    if spans:
-        events += [{"ph": "X", "pid": 1, "tid": "loop", "cat": "colocate", "name": f"colocate/{p}", "ts": us(a),
-                    "dur": dur(a, b)} for p, a, b in swap]
-    (run / "trace.json").write_text(json.dumps({"traceEvents": events, "otherData": {"dropped": {}}}))
+    write_trace(run, [span(LOOP, "loop", "loop", n, a, b, args) for n, a, b, args in loop]
+                + [span(TRAINER, "main", "train", "train_step", a, b) for n, a, b, _ in loop if n == "train_step"]
+                + [span(TRAINER, "phases", "train", n, a, b) for n, a, b in rank]
+                + [span(SERVER, "engine", "engine", n, a, b, args) for n, a, b, args in server]
+                + ([span(LOOP, "loop", "colocate", f"colocate/{p}", a, b) for p, a, b in swap] if spans else []))
     return run
 
 
