@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from m2po_megatron.sweep import grid as sw
+from m2po_megatron.sweep import status as sweep_status
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER = sorted((REPO / "recipes" / "paper").glob("*.yaml"))
@@ -142,11 +143,11 @@ def test_status_reads_the_run_record_and_the_last_complete_metrics_line(tmp_path
             (d / "metrics.jsonl").write_text("\n".join(metrics))
         runs.append({"name": name, "run_dir": str(d), "jobs": ["5"] if name != "c" else []})
     (tmp_path / sw.MANIFEST).write_text(json.dumps({"runs": runs}))
-    rows = {r["run"]: r for r in sw.status(tmp_path)}
+    rows = {r["run"]: r for r in sweep_status.status(tmp_path)}
     assert rows["a"]["state"] == "COMPLETED" and rows["a"]["metrics"] == {"step": 2, "loss": 0.5}
     assert rows["b"]["state"] == "FAILED(rc=3)" and rows["b"]["metrics"] is None
     assert rows["c"]["state"] == "NOT SUBMITTED"
-    assert "loss=0.5" in sw.format_status(list(rows.values()))
+    assert "loss=0.5" in sweep_status.format_status(list(rows.values()))
 
 
 def test_layout_helper_prints_nodes_and_run_dir(tmp_path):

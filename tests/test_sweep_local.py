@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from m2po_megatron.sweep import grid as sw
+from m2po_megatron.sweep import status as sweep_status
 from m2po_megatron.run.metrics import read_metrics
 from m2po_megatron.sweep.local import latest_checkpoint_step, local_state
 
@@ -103,7 +104,7 @@ def test_a_second_start_skips_finished_runs_and_resumes_an_interrupted_one(swept
     gone.wait(timeout=60)
     with open(run / "logs" / "job-state", "a") as f:
         f.write(f"START job=local:{gone.pid} host={socket.gethostname()} {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
-    status = {r["run"]: r for r in sw.status(path)}
+    status = {r["run"]: r for r in sweep_status.status(path)}
     assert status["t-m2po"]["state"] == "INTERRUPTED" and status["t-m2po"]["metrics"]["step"] == 1
     assert status["t-grpo"]["state"] == "COMPLETED"
 

@@ -1,19 +1,17 @@
 """The actor's checkpoints: initial weights (HF directory or Megatron dist checkpoint), and save/resume of a
 whole trainer state (model, optimizer, scheduler, RNG, update count) as a Megatron dist checkpoint.
 
-A checkpoint loads at another TP/PP/DP layout; the RNG states are then re-seeded instead of restored."""
+A checkpoint loads at another TP/PP/DP layout; the RNG states are then re-seeded instead of restored. `actor`
+below is a MegatronActor (actor.py, which imports this module: the type is not imported back)."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import torch_adam
-
-if TYPE_CHECKING:
-    from .actor import MegatronActor
 
 
 def has_hf_weights(path: str) -> bool:
@@ -41,7 +39,7 @@ def load_initial_weights(chunks: list, src: Any, spec) -> None:
     load_hf_weights(chunks, src, spec)
 
 
-def sharded_state_dict(actor: "MegatronActor", is_loading: bool) -> dict:
+def sharded_state_dict(actor: Any, is_loading: bool) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     model_sd = actor.model_chunks()[0].sharded_state_dict()
@@ -66,7 +64,7 @@ def sharded_state_dict(actor: "MegatronActor", is_loading: bool) -> dict:
     return sd
 
 
-def save(actor: "MegatronActor", path: str) -> None:
+def save(actor: Any, path: str) -> None:
     from megatron.core import dist_checkpointing
 
     os.makedirs(path, exist_ok=True)
@@ -75,7 +73,7 @@ def save(actor: "MegatronActor", path: str) -> None:
     dist.barrier()
 
 
-def load(actor: "MegatronActor", path: str) -> None:
+def load(actor: Any, path: str) -> None:
     from megatron.core import dist_checkpointing
 
     if not dist_checkpointing.check_is_distributed_checkpoint(path):

@@ -39,11 +39,13 @@ def handler(args) -> int:
             if len(target) != 1:
                 print("usage: m2po sweep SWEEP.yaml|OUTPUT_DIR|MANIFEST --status", file=sys.stderr)
                 return 2
-            rows = sweep.status(target[0])
+            from m2po_megatron.sweep.status import format_status, status
+
+            rows = status(target[0])
             if args.json:
                 print(json.dumps(rows, indent=1))
             else:
-                print(sweep.format_status(rows, args.keys.split(",") if args.keys else None))
+                print(format_status(rows, args.keys.split(",") if args.keys else None))
             return 0
         if len(args.target) != 1:
             print("usage: m2po sweep SWEEP.yaml [--dry-run | --local [-j N]]", file=sys.stderr)
