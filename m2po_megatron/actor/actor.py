@@ -71,7 +71,8 @@ class MegatronActor(LogProbPasses):
         virtual_pipeline_model_parallel_size, context_parallel_size: Megatron's parallel settings. Data
             parallel size = WORLD_SIZE / (TP * PP * CP).
         expert_model_parallel_size, expert_tensor_parallel_size, moe_aux_loss_coeff: MoE models: Megatron's
-            expert parallel sizes (ETP None = TP) and the load-balancing loss weight.
+            expert parallel sizes (ETP None = TP) and the load-balancing loss weight. moe_grouped_gemm: the
+            local layers' experts as one grouped GEMM (models.grouped_experts; TE's spec always groups them).
         routing_replay: MoE models: "none" | "r2" | "r3" (actor.routing_replay).
         use_distributed_optimizer: shard optimizer state over data-parallel ranks (Megatron's ZeRO-1).
         recompute_granularity (None | "selective" | "full"), recompute_method, recompute_num_layers:
@@ -115,6 +116,7 @@ class MegatronActor(LogProbPasses):
         expert_model_parallel_size: int = 1,
         expert_tensor_parallel_size: Optional[int] = None,
         moe_aux_loss_coeff: float = 0.0,
+        moe_grouped_gemm: bool = False,
         routing_replay: str = "none",
         use_distributed_optimizer: bool = True,
         recompute_granularity: Optional[str] = None,
@@ -166,6 +168,7 @@ class MegatronActor(LogProbPasses):
         validate_layout(self.spec, tensor_model_parallel_size, pipeline_model_parallel_size,
                         ep=expert_model_parallel_size, etp=expert_tensor_parallel_size)
         self.moe = dict(expert_model_parallel_size=expert_model_parallel_size, moe_aux_loss_coeff=moe_aux_loss_coeff,
+                        moe_grouped_gemm=bool(moe_grouped_gemm),
                         expert_tensor_parallel_size=expert_tensor_parallel_size)
         check_routing_replay(self.spec, routing_replay, context_parallel_size)
 

@@ -42,6 +42,7 @@ def actor_kwargs(cfg: DictConfig) -> dict:
         context_parallel_size=p.context_parallel_size, sequence_parallel=p.sequence_parallel,
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=p.expert_tensor_parallel_size, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
+        moe_grouped_gemm=cfg.model.moe_grouped_gemm,
         routing_replay=a.routing_replay,
         use_distributed_optimizer=p.use_distributed_optimizer, recompute_granularity=p.recompute_granularity,
         recompute_method=p.recompute_method, recompute_num_layers=p.recompute_num_layers,

@@ -36,6 +36,10 @@ class ModelSection:
     # MoE models only: the weight of megatron-core's load-balancing (aux) loss. 0 (the default) trains the RL
     # objective alone; the HF config's router_aux_loss_coef (0.001 for Qwen3-MoE) keeps pre-training's term.
     moe_aux_loss_coeff: float = 0.0
+    # MoE models only: run each layer's local experts as one grouped GEMM (models/grouped_experts.py) on megatron's
+    # local layers (sdpa, local) instead of a SequentialMLP loop. Where Transformer Engine is usable, its grouped
+    # experts (TEGroupedMLP) are the grouped path. Off by default: not yet measured on a GPU (docs/moe.md).
+    moe_grouped_gemm: bool = False
     # auto (te where Transformer Engine is usable, else sdpa) | te | sdpa (FlexAttention per packed row on
     # CUDA, fused SDPA per sequence elsewhere) | local (megatron's dense-mask attention: S x S scores per layer)
     attention_backend: str = "auto"

@@ -373,6 +373,9 @@ def _check_model(cfg: DictConfig, errors: list[str], check_files: bool) -> None:
         errors.append(f"parallel.sequence_parallel = false with tensor_model_parallel_size = {tp}: megatron-core "
                       f"trains a mixture-of-experts model with TP > 1 only under sequence parallelism; set "
                       f"parallel.sequence_parallel = true or use TP 1")
+    if not experts and cfg.model.moe_grouped_gemm:
+        errors.append(f"model.moe_grouped_gemm = true groups a mixture-of-experts model's experts; "
+                      f"{_architecture(hf)} is dense: set it to false")
     if not experts and cfg.algo.routing_replay != "none":
         errors.append(f"algo.routing_replay = {cfg.algo.routing_replay} replays the experts of a mixture-of-experts "
                       f"model; {_architecture(hf)} is dense: use none")

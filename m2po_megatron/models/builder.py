@@ -92,7 +92,7 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype=None, tensor_mode
                                pipeline_dtype=None, fp8: str | None = None, fp8_recipe: str | None = None,
                                expert_model_parallel_size: int | None = None,
                                expert_tensor_parallel_size: int | None = None, moe_aux_loss_coeff: float = 0.0,
-                               routing_replay: bool = False, **overrides):
+                               routing_replay: bool = False, moe_grouped_gemm: bool = False, **overrides):
     """Megatron TransformerConfig for a supported HF model.
 
     hf_config: directory, config.json path, dict, PretrainedConfig or HFModelSpec. Parallel sizes default to
@@ -102,7 +102,9 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype=None, tensor_mode
 
     MoE models (Qwen3-MoE): expert sizes default to the parallel state's (or 1, and ETP = TP, megatron-core's
     default); moe_aux_loss_coeff > 0 adds megatron's load-balancing loss; routing_replay builds each router with
-    a megatron RouterReplay (record / replay of its top-k, actor/routing_replay.py)."""
+    a megatron RouterReplay (record / replay of its top-k, actor/routing_replay.py). moe_grouped_gemm: the local
+    layers' experts as one grouped GEMM (models.grouped_experts) where Transformer Engine is not usable; where it is,
+    config.moe_grouped_gemm is on anyway and the TE spec's TEGroupedMLP is the grouped path."""
     import torch
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
@@ -120,6 +122,9 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype=None, tensor_mode
     etp = expert_tensor_parallel_size or (ps.get_expert_tensor_parallel_world_size() if init else None) or tp
     validate_layout(spec, tp, pp, vpp, ep=ep, etp=etp)
     validate_fp8(fp8, fp8_recipe)
+    if moe_grouped_gemm and not spec.is_moe:
+        raise ValueError(f"moe_grouped_gemm groups a mixture-of-experts model's experts; {spec.architecture} is "
+                         "dense: set model.moe_grouped_gemm = false")
     dtype = _dtype(params_dtype) or (torch.bfloat16 if has_cuda() else torch.float32)
     cuda = has_cuda()
     kwargs = dict(
@@ -142,7 +147,8 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype=None, tensor_mode
     )
     if spec.is_moe:
         kwargs.update(moe_kwargs(spec, ep=ep, etp=etp, aux_loss_coeff=moe_aux_loss_coeff,
-                                 routing_replay=routing_replay, grouped_gemm=te_available()))
+                                 routing_replay=routing_replay,
+                                 grouped_gemm=te_available() or bool(moe_grouped_gemm)))
     kwargs.update(overrides)
     if kwargs["fp8"] is None:
         kwargs.pop("fp8_recipe")
@@ -206,9 +212,10 @@ def _with_core_attention(layer, core_attention):
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attn))
 
 
-def layer_spec(spec: HFModelSpec, attention_backend: str | None = None):
+def layer_spec(spec: HFModelSpec, attention_backend: str | None = None, grouped_experts: bool = False):
     """Megatron layer spec for a resolved attention backend (see resolve_attention_backend). Packed rows
-    reach te and sdpa core attention as models.attention.PackedRow."""
+    reach te and sdpa core attention as models.attention.PackedRow. grouped_experts: the local layers' experts as
+    models.grouped_experts.GroupedExperts (the TE spec always groups them)."""
     from megatron.core.models.gpt import gpt_layer_specs as s
 
     from m2po_megatron.models import attention
@@ -222,6 +229,10 @@ def layer_spec(spec: HFModelSpec, attention_backend: str | None = None):
     # megatron's local spec runs experts as a SequentialMLP (one MLP per local expert)
     local = with_local_norms(s.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=spec.qk_norm,
                                                         normalization="RMSNorm"))  # sequence parallel allowed
+    if grouped_experts:
+        from m2po_megatron.models.grouped_experts import with_grouped_experts
+
+        local = with_grouped_experts(local)
     if backend == "local":
         return local
     return _with_core_attention(local, attention.PackedSDPAttention)
@@ -259,7 +270,9 @@ def build_gpt_model(hf_config: Any, config, *, pre_process: bool | None = None, 
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     rs = spec.rope_scaling
     model = PositionRoPEGPTModel(
-        config=config, transformer_layer_spec=_block_spec(layer_spec(spec, attention_backend), config, vp_stage),
+        config=config, transformer_layer_spec=_block_spec(layer_spec(
+            spec, attention_backend, grouped_experts=bool(config.moe_grouped_gemm) and not te_available()),
+            config, vp_stage),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         parallel_output=parallel_output, share_embeddings_and_output_weights=spec.tie_word_embeddings,

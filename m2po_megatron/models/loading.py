@@ -1,6 +1,7 @@
 """Loading HF weights into a live, sharded Megatron model on each rank, one tensor at a time."""
 from __future__ import annotations
 
+import re
 from typing import Any, Iterator
 
 import torch
@@ -8,6 +9,9 @@ import torch
 from m2po_megatron.models.hf_checkpoint import open_hf_source, spec_for, validate_hf_source
 from m2po_megatron.models.hf_config import HFModelSpec
 from m2po_megatron.models.weights import EXPERT, hf_names, rule_for, to_megatron_shard
+
+# models.grouped_experts' parameters: all local experts of a layer in one 3-D tensor
+GROUPED = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight$")
 
 
 def unwrap(model):
@@ -19,13 +23,21 @@ def unwrap(model):
 
 def global_named_parameters(chunk) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """(name with *global* layer and expert indices, parameter) for one model chunk (this rank's pipeline stage;
-    with expert parallelism, this rank's experts: local expert j of EP rank r is expert r x local + j)."""
+    with expert parallelism, this rank's experts: local expert j of EP rank r is expert r x local + j). Grouped
+    experts (models.grouped_experts) come as one view per expert, named as TEGroupedMLP's."""
     m = unwrap(chunk)
     first_expert = None
     for name, p in m.named_parameters():
         if name.startswith("decoder.layers."):
             local, rest = name[len("decoder.layers."):].split(".", 1)
             layer = m.decoder.layers[int(local)].layer_number - 1  # layer_number is global and 1-based
+            g = GROUPED.match(rest) if p.dim() == 3 else None
+            if g:  # models.grouped_experts: one [local experts, out, in] tensor; each expert under TE's name
+                if first_expert is None:
+                    first_expert = _first_local_expert(m.decoder.layers[int(local)].mlp)
+                for j in range(p.shape[0]):
+                    yield f"decoder.layers.{layer}.mlp.experts.{g.group(1)}.weight{first_expert + j}", p[j]
+                continue
             x = EXPERT.match(rest)
             if x:
                 if first_expert is None:

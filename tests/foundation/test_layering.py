@@ -114,6 +114,7 @@ ALLOWED = {
     "sweep": {"config", "infra", "models", "run"},
     "plan": {"config", "infra", "models", "rollout", "run", "staleness"},
     "rehearse": {"actor", "config", "infra", "models"},
+    "preflight": {"actor", "config", "infra", "models", "plan", "rollout", "run"},
 }
 ENTRY_POINTS = {"(root)", "commands"}
 
