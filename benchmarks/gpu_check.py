@@ -4,6 +4,7 @@
     python benchmarks/gpu_check.py [--budget-s 510] [--out FILE] [--parts a,b]
     python benchmarks/gpu_check.py --dry-run   # any machine: print the plan, exit 2 if the budgets don't fit
     python benchmarks/gpu_check.py --smoke     # CPU: every part at toy size (how the script is tested)
+    tools/gpu_check.sh --profile DIR           # also one profiled step per dense part, traces in DIR
 
 Works on a bare offline machine with Python 3.12, torch, transformers, triton, numpy, pytest: when
 megatron-core is not importable it is installed (pip, offline, --no-deps) from the git-ignored `.whl/`
@@ -21,7 +22,10 @@ on the same tokens for Qwen3-1.7B and Qwen3-4B at the recipes' 16,384-token rows
 one torch.sort; with Transformer Engine, the FP8 actor on ragged rows; last, the `gpu` tests (resume, gradient
 and log-prob parity, peak memory at the recipe rows, MoE at real size with R3) with what the parts before them
 left of the total. The summary (stdout, one JSON object; progress and a table on stderr) has each part's numbers
-or its error, the actor / HF ratios, and every goal of issue 20 with pass / fail / null (unmeasured).
+or its error, the actor / HF ratios, and every goal of issues 20 and 51 with pass / fail / null (unmeasured).
+Every actor and HF part reports its batch's model FLOPs by the planner's count (m2po_megatron.plan.flops) and
+its MFU against the device's dense BF16 peak (gpu_parts/mfu.py). `--profile DIR` has the dense parts profile one
+more step each (gpu_parts/profile_part.py): a table of where the time goes in the summary, traces in DIR.
 """
 from __future__ import annotations
 
@@ -42,9 +46,11 @@ for p in (str(REPO), str(REPO / "benchmarks")):
         sys.path.insert(0, p)
 
 from gpu_parts import goals as G  # noqa: E402
+from gpu_parts import mfu  # noqa: E402
 from gpu_parts.actor_part import actor_part  # noqa: E402
 from gpu_parts.hf_part import hf_part  # noqa: E402
 from gpu_parts.misc import GPU_TEST_FILES, env_part, gpu_tests_part, mask_part  # noqa: E402,F401
+from gpu_parts.profile_part import format_profile  # noqa: E402
 from gpu_parts.runner import log, run_part, stop_parts_on_signals  # noqa: E402,F401
 from gpu_parts.warmup import warmup_part  # noqa: E402
 from gpu_parts.wheels import WHEEL_DIR, ensure_wheels, locked_version, wheel_dir_problem  # noqa: E402,F401
@@ -60,6 +66,10 @@ ROW = 16384  # recipes/paper/*.yaml train.micro_batch_tokens
 OPTIMIZERS = {"actor": "torch.optim.AdamW, foreach kernel (megatron-core's fallback without TE/Apex)",
               "hf_peer": "torch.optim.AdamW(fused=True) on CUDA (foreach on CPU)"}
 Q17, Q4 = "Qwen__Qwen3-1.7B-Base", "Qwen__Qwen3-4B-Base"
+# --profile: the dense parts each profile one more step (about 1.1 steps under the profiler, then the table
+# and the gzipped trace: a few seconds of parsing, unmeasured on a GPU so far); the seconds come from gpu_tests
+PROFILED = ("qwen3_1p7b", "hf_1p7b", "qwen3_4b", "hf_4b")
+PROFILE_S = 25.0
 
 
 @dataclass(frozen=True)
@@ -79,9 +89,30 @@ def _hf(budget, **kw):
     return functools.partial(hf_part, budget_s=budget, **kw)
 
 
-def plan(smoke: bool, te: bool, extra: bool = False) -> list[Part]:
+def plan(smoke: bool, te: bool, extra: bool = False, profile_dir: str | None = None) -> list[Part]:
     """The parts in run order, with their budgets in seconds (the last, `rest`, also gets what is left);
-    `extra` adds the parts that run only when --parts names them."""
+    `extra` adds the parts that run only when --parts names them; `profile_dir` (--profile) has the dense parts
+    profile one more step each (gpu_parts/profile_part.py), with PROFILE_S more each, from the gpu tests."""
+    return _profiled(_plan(smoke, te, extra), profile_dir, 20 if smoke else PROFILE_S)
+
+
+def _profiled(parts: list[Part], profile_dir: str | None, extra_s: float) -> list[Part]:
+    if profile_dir is None:
+        return parts
+    out, added = [], 0.0
+    for p in parts:
+        if p.name in PROFILED:
+            b = p.budget_s + extra_s
+            added += extra_s
+            p = Part(p.name, b, p.what + ", 1 profiled step", functools.partial(
+                p.fn.func, *p.fn.args, **{**p.fn.keywords, "budget_s": b, "profile_dir": profile_dir,
+                                          "profile_name": p.name}), p.rest)
+        out.append(p)
+    # the gpu tests (last, `rest`) give up what the profiles take: they still get whatever the parts leave
+    return [Part(p.name, p.budget_s - added, p.what, p.fn, p.rest) if p.rest else p for p in out]
+
+
+def _plan(smoke: bool, te: bool, extra: bool = False) -> list[Part]:
     if smoke:  # CPU, toy config, fp32: the same functions; budgets for a loaded 2-core machine
         a = dict(model_name=Q17, smoke=True, rows=2, row_tokens=1024, reps=1)
         return [
@@ -178,17 +209,37 @@ def format_table(summary: dict) -> str:
     if "optimizers" in summary:
         lines.insert(0, "optimizer kernels: actor " + summary["optimizers"]["actor"] + "; HF peer "
                      + summary["optimizers"]["hf_peer"])
+    if "peak" in summary:
+        lines.insert(0, f"MFU: model FLOPs (m2po_megatron.plan.flops: 6 x matmul params + causal attention per token) "
+                        f"/ step s / {summary['peak']['bf16_tflops']} TFLOP/s dense BF16 ({summary['peak']['source']})")
     for k, g in summary.get("goals", {}).get("goals", {}).items():
         mark = {True: "PASS", False: "FAIL", None: "n/a"}[g["pass"]]
         v = g["value"] if not isinstance(g["value"], dict) else json.dumps(g["value"])
         lines.append(f"{k:<44} {mark:<6} {v}")
     for name, p in summary.get("parts", {}).items():
         if "tokens_per_s" in p:
+            m = "-" if p.get("mfu") is None else f"{p['mfu']:.1%}"
             lines.append(f"{name:<16} {p['tokens_per_s']:>10.0f} tok/s  step {p.get('step_s')} s  "
-                         f"peak {p.get('peak_allocated_gib', '-')} GiB  est {p.get('estimate_tensors_gib', '-')} GiB")
+                         f"{p.get('model_flops_per_token', 0) / 1e9:.2f} GFLOP/token  {p.get('achieved_tflops', '-')} "
+                         f"TFLOP/s  MFU {m}  peak {p.get('peak_allocated_gib', '-')} GiB  "
+                         f"est {p.get('estimate_tensors_gib', '-')} GiB")
+            if "profile" in p:
+                lines.append(format_profile(name, p["profile"]))
         elif "error" in p or "skipped" in p:
             lines.append(f"{name:<16} {('ERROR ' + p['error'][-120:]) if 'error' in p else p['skipped']}")
     return "\n".join(lines)
+
+
+def peak_of(env: dict, given: float | None) -> dict:
+    """The dense BF16 peak MFU divides by: --peak-tflops, else plan.hardware's figure for the device."""
+    if given:
+        return {"device": env.get("gpu"), "bf16_tflops": given, "source": "--peak-tflops"}
+    known = mfu.device_peak(env.get("gpu"))
+    if known is None:
+        return {"device": env.get("gpu"), "bf16_tflops": None,
+                "source": "no CUDA device" if not env.get("cuda") else "not in plan.hardware.GPUS: give --peak-tflops"}
+    return {"device": env.get("gpu"), "bf16_tflops": known[1],
+            "source": f"plan.hardware.GPUS[{known[0]!r}] (datasheet)"}
 
 
 def summarize(parts: dict) -> dict:
@@ -220,6 +271,10 @@ def main(argv=None) -> int:
     ap.add_argument("--te", choices=("auto", "yes", "no"), default="auto",
                     help="plan with the TE parts (default: when TE is importable and CUDA is present)")
     ap.add_argument("--out", help="also write the JSON summary to this file")
+    ap.add_argument("--profile", metavar="DIR", help="the dense parts profile one more step each: a table per "
+                    f"part in the summary, gzipped chrome traces in DIR (+{PROFILE_S:.0f} s each, from gpu_tests)")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="the device's dense BF16 peak for MFU "
+                    "(default: plan.hardware's datasheet figure for an H100/H200/A100 SXM; none for others)")
     a = ap.parse_args(argv)
     total = a.budget_s if a.budget_s is not None else (700.0 if a.smoke else DEFAULT_TOTAL_S)
     only = {p for p in a.parts.split(",") if p}
@@ -235,7 +290,8 @@ def main(argv=None) -> int:
         return 2
 
     def select(smoke: bool, te: bool) -> list[Part]:
-        return with_budgets([p for p in plan(smoke, te, extra=bool(only)) if not only or p.name in only], overrides)
+        return with_budgets([p for p in plan(smoke, te, extra=bool(only), profile_dir=a.profile)
+                             if not only or p.name in only], overrides)
 
     if a.dry_run:
         bad = False
@@ -248,6 +304,13 @@ def main(argv=None) -> int:
         if whl:
             print(f"DOES NOT FIT: {whl}")
         return 2 if bad or whl else 0
+    if a.profile:  # before any part runs: a folder that cannot be made would lose every trace at the end
+        try:
+            Path(a.profile).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            print(f"--profile {a.profile}: cannot make the folder ({e}); name a writable one, e.g. $OUT/profile",
+                  file=sys.stderr)
+            return 2
     stop_parts_on_signals()
     # one inductor cache for every part's process: what the warm-up compiles, the later parts load; a job id
     # makes dynamo keep its automatic-dynamic profile there too (local PGO), so the parts compile the
@@ -265,6 +328,7 @@ def main(argv=None) -> int:
         log(f"wheels: {e}")
     env = summary["parts"]["env"] = env_part()
     te = {"yes": True, "no": False}.get(a.te, bool(env["transformer_engine"] and env["cuda"]))
+    summary["peak"] = peak_of(env, a.peak_tflops)
     parts = select(a.smoke, te)
     errs = [] if a.smoke else check_fit(parts, total)
     if errs:
@@ -290,7 +354,8 @@ def main(argv=None) -> int:
             log(f"gpu_tests: { {k: res.get(k) for k in ('passed', 'failed', 'skipped', 'collected', 'error')} }")
         else:
             res = run_part(p.name, p.fn, (), budget)
-        summary["parts"][p.name] = {**res, "budget_s": round(budget, 1)}
+        res = mfu.annotate({**res, "budget_s": round(budget, 1)}, summary["peak"]["bf16_tflops"])
+        summary["parts"][p.name] = res
         summary["goals"] = G.judge(summary["parts"])
     summary.pop("running", None)
     summary["complete"] = True

@@ -34,7 +34,8 @@ def _blocker(tmp_path) -> Path:
 @pytest.mark.timeout(800)
 def test_smoke_run_without_ray_prints_one_json_summary(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_blocker(tmp_path)), str(REPO)]))
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--smoke", "--out", str(tmp_path / "s.json")],
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--smoke", "--out", str(tmp_path / "s.json"),
+                           "--profile", str(tmp_path / "profile")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=780)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
@@ -47,7 +48,7 @@ def test_smoke_run_without_ray_prints_one_json_summary(tmp_path):
     assert gt["returncode"] == 0 and gt["collected"] >= 8, gt  # the gpu tests import without ray
     # they run last, with what the parts before them left of the total (more than their own 120 s here)
     assert s["plan"][-1]["name"] == "gpu_tests" and gt["budget_s"] > 120, (s["plan"], gt["budget_s"])
-    assert parts["qwen3_4b"]["budget_s"] == 120  # the others get their own budgets
+    assert parts["qwen3_4b"]["budget_s"] == 140  # the others get their own budgets (120 + 20 s to profile)
     for a, h in (("qwen3_1p7b", "hf_1p7b"), ("qwen3_4b", "hf_4b")):
         actor, hf = parts[a], parts[h]
         assert "error" not in actor and "error" not in hf, (actor, hf)
@@ -57,6 +58,14 @@ def test_smoke_run_without_ray_prints_one_json_summary(tmp_path):
         assert actor["syncs"]["count"] is None and "no CUDA" in actor["syncs"]["why"]  # counted on GPU only
         assert s["actor_over_hf_tokens_per_s"][a] == pytest.approx(actor["tokens_per_s"] / hf["tokens_per_s"],
                                                                    rel=1e-2)
+        # model FLOPs on the same real tokens for both (padding is no model work); no MFU without a GPU's peak
+        assert actor["model_flops"] == hf["model_flops"] > 0 and actor["mfu"] is hf["mfu"] is None
+        assert actor["achieved_tflops"] > 0 and actor["logprob_pass"] is hf["logprob_pass"] is True
+        for name in (a, h):  # one profiled step each: the table, its trace
+            prof = parts[name]["profile"]
+            assert prof["categories"]["matmul"]["ms"] > 0 and prof["categories"]["optimizer"]["ms"] > 0, prof
+            assert prof["categories"]["log_probs"]["ms"] > 0 and Path(prof["trace"]).is_file(), prof
+        assert "forward_backward" in actor["profile"]["step_timers_s"]
     assert parts["qwen3_4b"]["recompute"] == parts["hf_4b"]["recompute"] == "full"
     par = parts["qwen3_1p7b"]["parity"]
     assert par["actor_max_abs"] <= 1e-4 < par["hf_bf16_max_abs"]
@@ -72,6 +81,8 @@ def test_smoke_run_without_ray_prints_one_json_summary(tmp_path):
                  "host_syncs_independent_of_microbatches"):
         assert goals[name]["pass"] is None, goals[name]  # unmeasured without a GPU
     assert s["goals"]["all_pass"] is None and "resume" in s["goals"]["unmeasured"]
+    assert goals["issue51_mfu_qwen3_1p7b"]["pass"] is None and s["peak"]["bf16_tflops"] is None
+    assert "MFU" in proc.stderr and "profile (CPU self time" in proc.stderr
 
 
 def _probe_wheel(d: Path) -> Path:
@@ -237,6 +248,9 @@ def test_dry_run_prints_the_plan_and_fails_when_the_budgets_do_not_fit():
     assert run("--part-budget", "nosuch=3").returncode == 2
     long = run("--budget-s", "590")
     assert long.returncode == 2 and "does not fit one 600-s device command" in long.stdout, long.stdout
+    prof = run("--profile", "/nonexistent/profile")  # the profile run: the dense parts' budgets grow, gpu_tests' shrink
+    assert prof.returncode == 0 and prof.stdout.count("1 profiled step") == 8, prof.stdout
+    assert re.search(r"gpu_tests +145 s\+", prof.stdout), prof.stdout
 
 
 def test_the_warm_up_compiles_on_the_actor_parts_own_rows():
@@ -256,9 +270,11 @@ def test_the_warm_up_compiles_on_the_actor_parts_own_rows():
 
 
 def test_every_gpu_plan_fits_the_default_total_and_one_device_command():
-    for te in (False, True):
-        parts = gpu_check.plan(False, te)
+    for te, profile in ((False, None), (True, None), (False, "p"), (True, "p")):
+        parts = gpu_check.plan(False, te, profile_dir=profile)
         assert gpu_check.check_fit(parts, gpu_check.DEFAULT_TOTAL_S) == [], te
+        profiled = {p.name for p in parts if isinstance(p.fn, functools.partial) and p.fn.keywords.get("profile_dir")}
+        assert profiled == (set(gpu_check.PROFILED) if profile else set())
         assert {"gpu_tests", "qwen3_1p7b", "hf_1p7b", "qwen3_4b", "hf_4b", "m2po_mask"} <= {p.name for p in parts}
     assert gpu_check.DEFAULT_TOTAL_S + gpu_check.HARD_STOP_MARGIN_S < gpu_check.COMMAND_LIMIT_S
     sh = (REPO / "tools" / "gpu_check.sh").read_text()
@@ -362,3 +378,100 @@ def test_a_stopped_check_keeps_the_finished_parts_numbers(tmp_path):
     assert "ran past its budget of 1 s" in s["parts"]["qwen3_4b"]["error"], s["parts"]["qwen3_4b"]
     assert "foreach" in s["optimizers"]["actor"] and "fused" in s["optimizers"]["hf_peer"]
     assert s["goals"]["goals"]  # judged on what finished
+
+
+# ------------------------------------------------------------------------------------------- MFU (issue 51)
+def test_mfu_of_the_first_gpu_run_and_the_device_peaks():
+    """The first GPU run's Qwen3-1.7B step (3 rows of 16,384, 21,258 tokens/s on an H200) is about 23 % MFU by the
+    planner's count (issue 51); the peaks are plan.hardware's, for the SXM boards only."""
+    from gpu_parts import mfu
+    from gpu_parts import rows as R
+    from gpu_parts.common import model_config
+
+    lens = [p + r for p, r in R.fill_rows(3, 16384, seed=0)]
+    assert sum(lens) == 47777  # the first run's batch (results/gpu-check-2026-12-04/summary.json)
+    f = mfu.model_flops(model_config(gpu_check.Q17, False), lens)
+    assert 6 * 1_720_574_976 < f["model_flops_per_token"] < 1.1 * 6 * 1_720_574_976  # attention: +7 % here
+    part = mfu.annotate({**f, "step_s": 47777 / 21257.8, "logprob_pass": True}, 989.0)
+    assert part["mfu"] == pytest.approx(0.238, abs=0.001) and part["achieved_tflops"] == pytest.approx(235, abs=1)
+    assert part["mfu_with_logprob_pass"] == pytest.approx(part["mfu"] * 4 / 3, abs=1e-4)
+    assert mfu.annotate(dict(f, step_s=1.0), None)["mfu"] is None  # no peak (CPU): FLOPs still reported
+    assert mfu.device_peak("NVIDIA H200") == ("h200", 989.0)
+    assert mfu.device_peak("NVIDIA H100 80GB HBM3") == ("h100", 989.0)
+    assert mfu.device_peak("NVIDIA H100 PCIe") is None and mfu.device_peak("NVIDIA H200 NVL") is None
+    assert gpu_check.peak_of({"cuda": True, "gpu": "NVIDIA H100 PCIe"}, None)["bf16_tflops"] is None
+    assert gpu_check.peak_of({"cuda": True, "gpu": "NVIDIA H100 PCIe"}, 756.0)["bf16_tflops"] == 756.0
+
+
+def test_issue51_goals_met_missed_and_unmeasured():
+    from gpu_parts import goals as G
+
+    parts = {"qwen3_1p7b": {"tokens_per_s": 36.0, "mfu": 0.36, "peak_over_estimate": 1.05},
+             "hf_1p7b": {"tokens_per_s": 20.0}, "qwen3_4b": {"tokens_per_s": 15.0, "peak_over_estimate": 1.12},
+             "hf_4b": {"tokens_per_s": 10.0}}
+    g = G.judge(parts)["goals"]
+    assert g["issue51_mfu_qwen3_1p7b"]["pass"] is True and g["issue51_tokens_per_s_vs_hf_qwen3_1p7b"]["pass"] is True
+    assert g["issue51_tokens_per_s_vs_hf_qwen3_4b"]["pass"] is False  # 1.5x
+    assert g["issue51_peak_vs_estimate"]["pass"] is False  # 4B 12 % over
+    assert g["issue51_grouped_experts_qwen3_30b_a3b"]["pass"] is None  # no moe_grouped part ran
+    parts["moe_grouped"] = {"speedup": 3.4, "within_bf16_error": True}
+    assert G.judge(parts)["goals"]["issue51_grouped_experts_qwen3_30b_a3b"]["pass"] is True
+    parts["moe_grouped"]["within_bf16_error"] = False
+    assert G.judge(parts)["goals"]["issue51_grouped_experts_qwen3_30b_a3b"]["pass"] is False
+    parts["qwen3_1p7b"]["mfu"] = 0.30
+    assert G.judge(parts)["goals"]["issue51_mfu_qwen3_1p7b"]["pass"] is False
+    empty = G.judge({})
+    assert all(empty["goals"][k]["pass"] is None for k in empty["goals"] if k.startswith("issue51_"))
+    assert "issue51_mfu_qwen3_1p7b" in empty["unmeasured"]
+
+
+def test_profile_table_from_kernels_and_from_a_cpu_step(tmp_path):
+    """GPU path on the profiler's event shapes: a kernel goes to the region its launching op sits in (log-probs,
+    optimizer), else to its name's kind; kernels no op launched count by name; host gaps are the step's wall time
+    the kernels leave idle. CPU path: a real profiled step of a tiny model, its trace written."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from gpu_parts import profile_part as P
+
+    def cpu(name, parent=None, kernels=()):
+        return NS(name=name, cpu_parent=parent, device_type="DeviceType.CPU", self_cpu_time_total=0.0,
+                  kernels=[NS(name=k, duration=d) for k, d in kernels])
+
+    def kernel(name, start, end):
+        return NS(name=name, device_type="DeviceType.CUDA", time_range=NS(start=start, end=end))
+
+    lp = cpu(P.LOGPROBS)
+    opt = cpu("Optimizer.step#AdamW.step", cpu(P.OPTIMIZER))
+    events = [lp, cpu("aten::mm", lp, [("sm90_xmma_gemm_bf16", 300)]),
+              cpu("aten::mm", None, [("nvjet_tst_128x256", 200)]),
+              cpu("CompiledFunction", None, [("triton_poi_fused_add_mul_0", 50), ("triton_tem_fused_flex_0", 150)]),
+              cpu("aten::_foreach_mul_", opt, [("multi_tensor_apply_kernel", 100)]),
+              kernel("sm90_xmma_gemm_bf16", 0, 300), kernel("nvjet_tst_128x256", 300, 500),
+              kernel("triton_poi_fused_add_mul_0", 500, 550), kernel("triton_tem_fused_flex_0", 550, 700),
+              kernel("multi_tensor_apply_kernel", 800, 900), kernel("Memcpy HtoD (Pageable -> Device)", 850, 870),
+              kernel("ncclDevKernel_AllReduce", 900, 920)]
+    t = P.categorize(events, wall_us=1000.0, on_gpu=True)
+    ms = {k: v["ms"] for k, v in t["categories"].items()}
+    assert ms == {"matmul": 0.2, "attention": 0.15, "norms_elementwise": 0.05, "log_probs": 0.3, "optimizer": 0.1,
+                  "copies": 0.02, "other": 0.02, "host_gaps": 0.18}, ms  # busy: 0-700, 800-920
+    assert t["gpu_busy_ms"] == 0.82 and t["top"][0] == ["sm90_xmma_gemm_bf16", "log_probs", 0.3]
+
+    lin = torch.nn.Linear(16, 32)
+    head = torch.nn.Linear(32, 8)
+    sgd = torch.optim.SGD([*lin.parameters(), *head.parameters()], lr=0.1)
+
+    def step():
+        torch.log_softmax(head(lin(torch.randn(4, 16))), -1).mean().backward()
+        sgd.step()
+        return {"time/actor/optimizer": 0.5}
+
+    table = P.profile_in_budget(step, 0.01, time.monotonic() + 60, str(tmp_path), "toy",
+                                [(sgd, "step", P.OPTIMIZER), (head, "forward", P.LOGPROBS)])
+    assert "forward" not in vars(head) and "step" not in vars(sgd)  # put back
+    cats = table["categories"]
+    assert cats["matmul"]["ms"] > 0 and cats["log_probs"]["ms"] > 0 and cats["host_gaps"] is None
+    assert table["trace"] == str(tmp_path / "toy.trace.json.gz") and table["step_timers_s"] == {"optimizer": 0.5}
+    assert "log_probs" in P.format_profile("toy", table)
+    assert "skipped" in P.profile_in_budget(step, 10.0, time.monotonic() + 5, str(tmp_path), "late", [])

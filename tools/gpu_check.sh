@@ -5,6 +5,8 @@
 # device command (600 s at most) holds it and a 15-minute device lease has room to rerun failed parts.
 #   tools/gpu_check.sh [--out FILE] [--parts qwen3_1p7b,hf_1p7b,...]   # any benchmarks/gpu_check.py option
 #   tools/gpu_check.sh --dry-run           # any machine: the plan and its budgets; exit 2 if they don't fit
+#   tools/gpu_check.sh --profile DIR --out FILE   # issue 51's run: also one profiled step per dense part
+#                                          # (a table in FILE, gzipped chrome traces in DIR), MFU as always
 #   tools/gpu_check.sh --download-wheels   # on a machine with network: megatron-core's wheel into .whl/ (fails
 #                                          # past 48 MiB: carry takes 64 MiB in all)
 # The GPU machine may be bare and offline: benchmarks/gpu_check.py installs megatron-core from .whl/ (git-ignored)

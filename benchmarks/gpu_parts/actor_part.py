@@ -1,19 +1,24 @@
 """The actor's part: MegatronActor.train_step tokens/s on the recipes' rows, peak memory against
-estimate_gpu_memory, host syncs per step at 1 and at N micro-batches, and (optionally) log-prob parity
-against HF fp32 next to HF bf16's own error."""
+estimate_gpu_memory, the batch's model FLOPs (gpu_parts/mfu.py), host syncs per step at 1 and at N
+micro-batches, (optionally) log-prob parity against HF fp32 next to HF bf16's own error and one profiled step."""
 from __future__ import annotations
 
 import math
+import sys
 import time
 
+from gpu_parts import mfu
 from gpu_parts.common import count_syncs, cuda, gib, hf_model, model_config, sync, time_steps
+from gpu_parts.profile_part import LOGPROBS, OPTIMIZER, profile_in_budget
 
 
 def actor_part(model_name: str, smoke: bool, rows: int, row_tokens: int, reps: int, parity: bool = False,
                recompute: str | None = None, attention_backend: str = "auto", fp8: str | None = None,
-               ragged: bool = False, legacy_seqs: int = 0, budget_s: float = 60.0) -> dict:
+               ragged: bool = False, legacy_seqs: int = 0, budget_s: float = 60.0,
+               profile_dir: str | None = None, profile_name: str = "actor") -> dict:
     """`rows` packed rows of `row_tokens` drawn like the paper's rollouts (gpu_parts.rows; `ragged`: no row a
-    multiple of 16), or the earlier batch of `legacy_seqs` sequences (the 4,096-token comparison)."""
+    multiple of 16), or the earlier batch of `legacy_seqs` sequences (the 4,096-token comparison). With
+    `profile_dir`, one more step under torch.profiler (gpu_parts/profile_part.py), its trace there."""
     import torch
 
     from m2po_megatron.actor.actor import MegatronActor
@@ -38,6 +43,8 @@ def actor_part(model_name: str, smoke: bool, rows: int, row_tokens: int, reps: i
     else:
         actor = MegatronActor(**kw)
     out["attention_backend"] = actor.attention_backend
+    out.update(mfu.model_flops(cfg, batch.lengths))  # gpu_check adds the MFU: it knows the device's peak
+    out["logprob_pass"] = actor.loss_name == "m2po" and actor.m2po_scope == "global"  # the M2PO mask's forward
     dt, done, m, first = time_steps(lambda: actor.train_step(batch), reps, deadline)
     out.update(step_s=round(dt, 3), first_step_s=round(first, 2), timed_steps=done,
                tokens_per_s=round(out["tokens"] / dt, 1), loss=m["loss"],
@@ -50,6 +57,11 @@ def actor_part(model_name: str, smoke: bool, rows: int, row_tokens: int, reps: i
         tensors = (est["total"] - est["overhead"]) * 1024**3
         out.update(peak_allocated_gib=gib(peak), peak_reserved_gib=gib(torch.cuda.max_memory_reserved()),
                    estimate_tensors_gib=gib(tensors), peak_over_estimate=round(peak / tensors, 3))
+    if profile_dir is not None:  # ranges around the optimizer's step and the output layer's log-prob function
+        wraps = [(actor.optimizer, "step", OPTIMIZER),
+                 (sys.modules[MegatronActor.__module__], "output_layer_log_probs", LOGPROBS)]
+        out["profile"] = profile_in_budget(lambda: actor.train_step(batch), dt, deadline, profile_dir, profile_name,
+                                           wraps)
     # host syncs of one train_step with every micro-batch, and with the first row's sequences alone: a count
     # that grows with the micro-batches is a sync inside the micro-batch loop
     if time.monotonic() + 1.5 * dt < deadline:
@@ -122,3 +134,4 @@ def _parity(cfg: dict, actor_kw: dict, dev):
     return ({"tokens": int(ref.numel()), "actor_max_abs": float(d_actor.max()),
              "actor_mean_abs": float(d_actor.mean()), "hf_bf16_max_abs": float(d_hf.max()),
              "hf_bf16_mean_abs": float(d_hf.mean())}, actor)
+

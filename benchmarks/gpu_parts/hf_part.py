@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import time
 
+from gpu_parts import mfu
 from gpu_parts.common import cuda, gib, hf_model, model_config, time_steps
+from gpu_parts.profile_part import LOGPROBS, OPTIMIZER, profile_in_budget
 
 
 def hf_part(model_name: str, smoke: bool, rows: int, row_tokens: int, reps: int, recompute: str | None = None,
-            legacy_seqs: int = 0, budget_s: float = 60.0) -> dict:
-    """The same batch as actor_part with the same arguments (same generator, same seed)."""
+            legacy_seqs: int = 0, budget_s: float = 60.0, profile_dir: str | None = None,
+            profile_name: str = "hf") -> dict:
+    """The same batch as actor_part with the same arguments (same generator, same seed); its model FLOPs
+    counted on the real tokens, as the actor's (padding is not model work); `profile_dir` as actor_part's."""
     import torch
 
     from gpu_parts import rows as R
@@ -33,7 +37,11 @@ def hf_part(model_name: str, smoke: bool, rows: int, row_tokens: int, reps: int,
            "step_s": round(dt, 3), "first_step_s": round(first, 2), "timed_steps": done,
            "tokens_per_s": round(tokens / dt, 1), "loss": m["loss"],
            "grad_norm": m["grad_norm"], "recompute": recompute, "precision": PRECISION,
-           "compute_dtype": str(next(model.parameters()).dtype)}
+           "compute_dtype": str(next(model.parameters()).dtype), **mfu.model_flops(cfg, batch.lengths),
+           "logprob_pass": True}  # the M2PO mask's no-grad forward (hf_peer.HFPeer.step)
     if on_gpu:
         out["peak_allocated_gib"] = gib(torch.cuda.max_memory_allocated())
+    if profile_dir is not None:
+        out["profile"] = profile_in_budget(peer.step, dt, deadline, profile_dir, profile_name,
+                                           [(peer.opt, "step", OPTIMIZER), (model.lm_head, "forward", LOGPROBS)])
     return out

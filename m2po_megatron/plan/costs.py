@@ -63,6 +63,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+# the FLOPs count lives in plan/flops.py (gpu_check's MFU uses it too); its names stay importable from here
+from m2po_megatron.plan.flops import attention_flops, inactive_expert_params, matmul_params, train_flops_per_token
 from m2po_megatron.plan.hardware import EFFICIENCY, GPUS, Gpu
 
 __all__ = ["Costs", "GRAD_BYTES", "Layout", "REFERENCE_PLACES", "attention_flops", "efficiency_of", "expert_params",
@@ -233,30 +235,10 @@ class Layout:
         return self.rollout_tp * self.num_servers
 
 
-def matmul_params(shape, params: int) -> int:
-    """N_mm: the parameters FLOPs count. The input embedding is a lookup; the output projection is a matmul,
-    also when it shares the embedding's table (tied: `params` counts that table once, as the projection)."""
-    return params if shape.tied else params - shape.vocab * shape.hidden
-
-
-def inactive_expert_params(shape) -> int:
-    """The routed experts' parameters a token does not go through: (E - k) of each MoE layer's E experts
-    (0 for a dense model). Training and decode FLOPs count the active parameters, memory and the weight sync
-    all of them."""
-    experts = getattr(shape, "experts", 0)
-    return shape.layers * (experts - shape.topk) * 3 * shape.hidden * shape.expert_ffn if experts else 0
-
-
 def expert_params(shape) -> int:
     """Every routed expert's parameters (0 for a dense model)."""
     experts = getattr(shape, "experts", 0)
     return shape.layers * experts * 3 * shape.hidden * shape.expert_ffn if experts else 0
-
-
-def attention_flops(shape, context: float) -> float:
-    """Attention's score and context matmuls per token, forward and backward, causal: 12 x layers x heads x
-    head_dim x context / 2."""
-    return 12 * shape.layers * shape.heads * shape.head_dim * context / 2
 
 
 def kv_bytes_per_gpu(shape, tp: int) -> float:
@@ -292,7 +274,7 @@ def _work(shape, params: int, layout: Layout, g: Gpu, *, micro_batches: int, mea
     peak, hbm = g.bf16_tflops * 1e12, g.hbm_tb_s * 1e12
     n_mm = matmul_params(shape, params)
     n_act = n_mm - inactive_expert_params(shape)  # a token's matmuls run through its top-k experts only
-    bf16_flops = 6 * n_act + attention_flops(shape, mean_context)
+    bf16_flops = train_flops_per_token(shape, params, mean_context)
     fp8_s = 0.0
     if fp8:
         if g.fp8_tflops is None:
