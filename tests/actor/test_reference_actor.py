@@ -101,3 +101,43 @@ def test_reference_kl_and_entropy_through_the_actor():
         assert m["num_updates"] == 2 and all("kl_loss" in u for u in m["per_update"])
     assert o["m3"][1]["kl_ref/k3"] > 0
     assert outs[1]["m2"]["kl_loss"] == m2["kl_loss"]  # every rank reports the same
+
+
+LAYOUTS = [dict(pipeline_model_parallel_size=2), dict(tensor_model_parallel_size=2, sequence_parallel=True),
+           dict(moe=True, expert_model_parallel_size=2, routing_replay="r2")]
+
+
+def layout_worker():
+    """Per layout on two ranks: the reference's log-probs against the actor's at the start and after two steps,
+    and the KL then."""
+    from actor_workers import MOE, make_batch, make_hf_model, tiny_config
+
+    from m2po_megatron.actor.actor import MegatronActor
+
+    out = []
+    for lay in LAYOUTS:
+        kw = dict(lay)
+        cfg = MOE if kw.pop("moe", False) else tiny_config("qwen2_untied")
+        hf = make_hf_model(cfg)
+        batch = make_batch(n=8, vocab=cfg["vocab_size"], ref_model=hf)
+        actor = MegatronActor(hf_config=cfg, load_from=hf, micro_batch_tokens=40, loss_name="grpo", lr=1e-2,
+                              reference=dict(kl_loss_coef=0.1, param_offload=True), entropy_coeff=0.01, **kw)
+        lp0, _ = actor.compute_log_probs(batch)
+        ref0 = actor.reference_log_probs(batch)
+        actor.train_step(batch)
+        m = actor.train_step(batch)
+        ref1 = actor.reference_log_probs(batch)
+        actor.close()
+        out.append((max(float((a - b).abs().max()) for a, b in zip(lp0, ref0)),
+                    max(float((a - b).abs().max()) for a, b in zip(ref0, ref1)), m["kl_ref/k3"]))
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_the_reference_takes_the_actors_layout():
+    """PP 2, TP 2 with sequence parallelism, and MoE at EP 2 with R2: the reference is the initial weights in
+    each (its log-probs equal the actor's before any update, bit for bit), stays frozen, and the KL is live."""
+    from m2po_megatron.actor.launch import run_multiprocess
+
+    for lay, (start, frozen, kl) in zip(LAYOUTS, run_multiprocess(layout_worker, 2, timeout=380)[0]):
+        assert start == 0 and frozen == 0 and kl > 0, (lay, start, frozen, kl)
