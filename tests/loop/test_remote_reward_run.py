@@ -91,4 +91,4 @@ def test_a_faulty_reward_service_drops_failures_and_the_run_goes_on(tiny_task, t
     assert total(rows, "reward/remote/scored") > 0 and total(rows, "reward/remote/retried/timeout") > 0
     classes = {row_class(b["items"][0]["row"]) for _, b, _ in flaky.requests if b}
     assert classes == {0, 1, 2}, classes  # every behaviour was met
-    assert len(flaky.requests) == 9  # it died at its ninth request; nothing reached it after
+    assert len(flaky.requests) >= 9 and flaky.stopped  # it died at its ninth request or, still missing a behaviour, later
