@@ -187,7 +187,7 @@ def load_config(recipe: Optional[str | Path] = None, overrides: Optional[list[st
                               f"value types against `m2po config RECIPE`") from None
     try:
         validate(cfg, check_files=check_files)
-    except ConfigError as e:
+    except ConfigError:
         if recipe is not None and not cfg.model.hf_path and not cfg.model.hf_config:
             children = _extended_by(path)  # a recipe naming no model may be a base the others extend
             if children:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -15,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from m2po_megatron.config.paths import resolve_path
 from m2po_megatron.agents.loader import check_plugins
 from m2po_megatron.reward.checks import check_reward
+from m2po_megatron.config.algo_checks import check_algo_terms
 from m2po_megatron.config.colocate_checks import check_colocate
 from m2po_megatron.config.schema import ConfigError
 from m2po_megatron.config.files import check_data_files, missing_file_hint
@@ -153,7 +153,7 @@ def validate(cfg: DictConfig, check_files: bool = True) -> None:
     _check_rollout_correction(cfg, errors)
     if cfg.algo.dual_clip_c is not None and cfg.algo.dual_clip_c <= 1:
         errors.append(f"algo.dual_clip_c = {cfg.algo.dual_clip_c} must be > 1 (e.g. 3.0), or null to disable")
-    _check_algo_terms(cfg.algo, errors)
+    check_algo_terms(cfg.algo, errors)
     if cfg.rollout.mem_fraction_static is not None and not 0 < cfg.rollout.mem_fraction_static < 1:
         errors.append(f"rollout.mem_fraction_static = {cfg.rollout.mem_fraction_static} must be in (0, 1)")
     if cfg.data.prompt_template is not None:
@@ -184,49 +184,6 @@ def validate(cfg: DictConfig, check_files: bool = True) -> None:
 
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
-
-
-def _check_algo_terms(a: DictConfig, errors: list[str]) -> None:
-    """CISPO, off-policy sequence masking and Dr.GRPO's constant (algo/cispo.py, seq_mask.py, aggregation.py)."""
-    if a.name == "cispo" and a.dual_clip_c is not None:
-        errors.append(f"algo.dual_clip_c = {a.dual_clip_c} does not apply to algo.name = cispo (its weight is already "
-                      f"capped at 1 + algo.cispo.eps_clip_high); set algo.dual_clip_c=null")
-    agg = a.gspo.loss_agg_mode if a.name == "gspo" else a.loss_agg_mode
-    if a.loss_scale_factor is not None:
-        if not a.loss_scale_factor > 0:
-            errors.append(f"algo.loss_scale_factor = {a.loss_scale_factor} must be > 0 (e.g. the maximum response "
-                          f"length), or null for rollout.max_new_tokens")
-        elif agg != "seq-mean-token-sum-norm":
-            errors.append(f"algo.loss_scale_factor = {a.loss_scale_factor} applies to loss_agg_mode="
-                          f"seq-mean-token-sum-norm only, not {agg}; set it to null or change the mode")
-    if a.use_opsm and not math.isfinite(a.opsm_delta):
-        errors.append(f"algo.opsm_delta = {a.opsm_delta} must be a finite threshold (slime's default 1e-4)")
-    from m2po_megatron.algo.kl import check_kl_type  # KL to the reference model (algo/kl.py)
-
-    try:
-        check_kl_type(a.kl_loss_type)
-    except ValueError as e:
-        errors.append(f"algo.{e}")
-    if not (math.isfinite(a.kl_loss_coef) and a.kl_loss_coef >= 0):
-        errors.append(f"algo.kl_loss_coef = {a.kl_loss_coef} must be finite and >= 0 (verl's default 0.001)")
-    if not math.isfinite(a.entropy_coeff):
-        errors.append(f"algo.entropy_coeff = {a.entropy_coeff} must be finite (verl's default 0; > 0 rewards "
-                      f"entropy)")
-    if a.use_kl_in_reward:
-        try:
-            check_kl_type(a.kl_penalty)
-        except ValueError as e:
-            errors.append(f"algo.kl_penalty: {e}")
-        if a.kl_ctrl.type != "fixed":
-            errors.append(f"algo.kl_ctrl.type = {a.kl_ctrl.type!r}: only 'fixed' is supported (verl's adaptive "
-                          f"controller keeps state across steps that a resumed run would lose); set "
-                          f"algo.kl_ctrl.type=fixed and choose algo.kl_ctrl.kl_coef")
-        if not (math.isfinite(a.kl_ctrl.kl_coef) and a.kl_ctrl.kl_coef >= 0):
-            errors.append(f"algo.kl_ctrl.kl_coef = {a.kl_ctrl.kl_coef} must be finite and >= 0 (verl's default "
-                          f"0.001)")
-        if a.overlong_filtering:
-            errors.append("algo.use_kl_in_reward with algo.overlong_filtering: a filtered sample keeps its reward "
-                          "in its group's baseline but has no reference log-probs for its penalty; turn one off")
 
 
 def _check_rollout_correction(cfg: DictConfig, errors: list[str]) -> None:
