@@ -29,7 +29,6 @@ import io
 import pickle
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist

@@ -162,7 +162,6 @@ def flex_row_attention(q, k, v, block_mask, scale: float):
     [1, heads, s, dim] (laid out like q). CUDA: the compiled kernel. Elsewhere: torch's reference
     implementation of the same operator (the flex_attention higher-order op, run eagerly), which has a
     backward on CPU where the public function refuses one; tests use it to check the math."""
-    gqa = q.size(1) != k.size(1)
     if q.is_cuda:
         return compiled_flex_call(q, k, v, block_mask, scale)
     from torch._higher_order_ops.flex_attention import flex_attention as flex_op

@@ -191,6 +191,7 @@ class RemoteReward:
         a = self.args
         body = encode(build_body(a, items))
         reason = detail = ""
+        retry_after = None  # set by every attempt; read only by the next one
         for attempt in range(1 + a.max_retries):
             if attempt:
                 self._count("retries")

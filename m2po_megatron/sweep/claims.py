@@ -175,7 +175,7 @@ def claims(groups: list, comps: dict[int, dict[str, Comparison]]) -> str:
         lines.append(_collapse_claim(g, multi))
     if not lines:
         return ""
-    head = [f"## Claims\n",
+    head = ["## Claims\n",
             f"Read from the score (the mean of each run's last {stats.SCORE_EVALS} evaluations after step 0, "
             f"benchmark average, pass@1 %), by Welch's t-test at {ALPHA} (Δ: the group minus the reference). "
             f"A difference that is not significant is not shown to be zero; its 95 % CI says how large it "

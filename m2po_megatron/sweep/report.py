@@ -315,10 +315,10 @@ def markdown(groups: list[Group], comps: Optional[dict] = None) -> str:
     benches = list(groups[0].last)
     multi_model = len({g.model for g in groups}) > 1
     head_cols = (["model"] if multi_model else []) + ["method", "s"]
-    out = [f"Cells: mean ± half-width of the 95 % confidence interval of the mean over runs (Student t, n - 1 "
-           f"dof), with n runs in brackets; one run, no interval (report.csv also has the standard deviation). Δ: the group's score (benchmark average) minus "
-           f"the reference's, [its 95 % CI] by Welch-Satterthwaite, and the two-sided p-value of Welch's t-test "
-           f"(* : the reference differs in config, see report.csv); n/a: no test, and why.\n"]
+    out = ["Cells: mean ± half-width of the 95 % confidence interval of the mean over runs (Student t, n - 1 "
+           "dof), with n runs in brackets; one run, no interval (report.csv also has the standard deviation). Δ: the group's score (benchmark average) minus "
+           "the reference's, [its 95 % CI] by Welch-Satterthwaite, and the two-sided p-value of Welch's t-test "
+           "(* : the reference differs in config, see report.csv); n/a: no test, and why.\n"]
     for when in ("score", "last", "best"):
         out.append(f"Held-out pass@1 (%) {TITLES[when]}\n")
         cols = head_cols + [("Avg" if b == "avg" else b) for b in benches]
