@@ -1,5 +1,5 @@
-"""The checks of the objective's own terms (docs/algo.md), apart from validation.py's general ones: CISPO,
-off-policy sequence masking, Dr.GRPO's constant, the KL to the reference model and the entropy bonus."""
+"""The checks of the objective's own terms (docs/algo.md), apart from validation.py's general ones: dual
+clipping, CISPO, off-policy sequence masking, Dr.GRPO's constant, the KL to the reference model, the entropy."""
 from __future__ import annotations
 
 import math
@@ -9,6 +9,8 @@ from omegaconf import DictConfig
 
 def check_algo_terms(a: DictConfig, errors: list[str]) -> None:
     """algo.*'s terms beyond the policy loss's choices (algo/cispo.py, seq_mask.py, aggregation.py, kl.py)."""
+    if a.dual_clip_c is not None and a.dual_clip_c <= 1:
+        errors.append(f"algo.dual_clip_c = {a.dual_clip_c} must be > 1 (e.g. 3.0), or null to disable")
     if a.name == "cispo" and a.dual_clip_c is not None:
         errors.append(f"algo.dual_clip_c = {a.dual_clip_c} does not apply to algo.name = cispo (its weight is already "
                       f"capped at 1 + algo.cispo.eps_clip_high); set algo.dual_clip_c=null")

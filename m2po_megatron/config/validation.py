@@ -151,8 +151,6 @@ def validate(cfg: DictConfig, check_files: bool = True) -> None:
         if not 0 <= cfg.optim[b] < 1:
             errors.append(f"optim.{b} = {cfg.optim[b]} must be in [0, 1)")
     _check_rollout_correction(cfg, errors)
-    if cfg.algo.dual_clip_c is not None and cfg.algo.dual_clip_c <= 1:
-        errors.append(f"algo.dual_clip_c = {cfg.algo.dual_clip_c} must be > 1 (e.g. 3.0), or null to disable")
     check_algo_terms(cfg.algo, errors)
     if cfg.rollout.mem_fraction_static is not None and not 0 < cfg.rollout.mem_fraction_static < 1:
         errors.append(f"rollout.mem_fraction_static = {cfg.rollout.mem_fraction_static} must be in (0, 1)")

@@ -279,10 +279,11 @@ class Engine:
                             and not self.nan_weights():
                         self._step()
                         self._wake.set()  # step again while there is work (the lock is released between)
-                # Let the HTTP thread run between steps. Without this yield the step loop held the GIL for
-                # tens of milliseconds at a time, so a step's requests, all sent within a few ms, reached the
-                # engine in 5-9 prefills over half the rollout (traced, 2026-12-06): twice the decode steps
-                # of one batch, where SGLang's scheduler, in its own process, admits them together.
+                # Let the HTTP thread run between steps. Without this yield the server's handlers ran in
+                # bursts 60-190 ms apart, so a step's requests, all sent within 3 ms, reached the engine in
+                # 5-9 prefills over 60-70 % of the rollout and it ran three to four times the decode steps
+                # (traced, 2026-12-06; docs/rollout.md), where SGLang, its HTTP in another process than its
+                # scheduler, admits them together.
                 time.sleep(0)
         except BaseException as e:  # noqa: BLE001 - fail every request loudly rather than hang them
             self.error = e
